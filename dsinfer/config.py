@@ -1,0 +1,121 @@
+"""Frozen configuration records shared by the control plane and the data plane."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(name: str | torch.dtype, checkpoint_dtype: str | None = None) -> torch.dtype:
+    """Resolve a user dtype name; "auto" follows the checkpoint (bf16/fp16 → bf16, else fp32).
+
+    float16 is mapped to bfloat16 because CPUs have no fast fp16 GEMM and bf16 keeps fp16's range.
+    """
+    if isinstance(name, torch.dtype):
+        if name not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"unsupported dtype {name}; use float32 or bfloat16")
+        return name
+    if name == "auto":
+        if checkpoint_dtype in ("bfloat16", "float16"):
+            return torch.bfloat16
+        return torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of auto, float32, bfloat16")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary embedding parameters; `kind` is default | linear | llama3."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder-only transformer, source-format agnostic."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    hidden_act: str = "silu"
+    checkpoint_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V that one token occupies across all layers."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV pool sizing: `num_blocks` wins over the memory budget when given."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 1024**2
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Bounds of one engine step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+
+def parse_memory(text: str | int) -> int:
+    """Parse "512MiB", "2GiB", "1.5GB" or a plain byte count."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().lower().replace(" ", "")
+    units = {"gib": 1024**3, "mib": 1024**2, "kib": 1024, "gb": 10**9, "mb": 10**6, "kb": 10**3,
+             "g": 1024**3, "m": 1024**2, "k": 1024, "b": 1}
+    for suffix, mult in units.items():
+        if s.endswith(suffix):
+            try:
+                return int(float(s[: -len(suffix)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError:
+        raise ValueError(f"cannot parse memory size {text!r}; write e.g. 512MiB or 2GiB") from None

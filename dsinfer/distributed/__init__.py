@@ -1,0 +1,1 @@
+"""Parallel state (world size 1 for now: identity communication)."""

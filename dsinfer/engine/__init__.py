@@ -1,0 +1,1 @@
+"""Pure-Python control plane: requests, KV block accounting, scheduling, the engine loop."""

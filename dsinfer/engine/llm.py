@@ -1,0 +1,122 @@
+"""Offline API: `LLM(model).generate(prompts, params)` and `.chat(messages, params)`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
+from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.sampling import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Load a model (path, GGUF file or the embedded name "smollm2") and run batches offline.
+
+    Keyword arguments: dtype ("auto" | "float32" | "bfloat16"), device, seed, block_size,
+    kv_cache_memory ("512MiB"), num_blocks, enable_prefix_caching, max_num_seqs,
+    max_num_batched_tokens, max_model_len.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2",
+        dtype: str = "auto",
+        device: str = "cpu",
+        seed: int = 0,
+        block_size: int = 16,
+        kv_cache_memory: str | int = "512MiB",
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        max_model_len: int | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=parse_memory(kv_cache_memory),
+                num_blocks=num_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+            ),
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion in one continuous batch; results in input order.
+
+        A prompt is a string or {"prompt_token_ids": [...]}. With n > 1, the n samples come
+        back as `.outputs[0..n-1]`; sample i uses seed + i when a seed is set.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        groups: list[list[str]] = []
+        for prompt, p in zip(prompts, plist, strict=True):
+            groups.append([self._add(prompt, sub) for sub in _fan_out(p)])
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        results = []
+        for ids in groups:
+            first = finals[ids[0]]
+            outs = []
+            for i, rid in enumerate(ids):
+                c = finals[rid].outputs[0]
+                c.index = i
+                outs.append(c)
+            first.outputs = outs
+            results.append(first)
+        return results
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return self.engine.add_request(list(prompt["prompt_token_ids"]), params)
+            if "prompt" in prompt:
+                return self.engine.add_request(str(prompt["prompt"]), params)
+            raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+        return self.engine.add_request(prompt, params)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template (with the generation prompt) and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in convs]
+        return self.generate(prompts, params)
+
+
+def _fan_out(p: SamplingParams) -> list[SamplingParams]:
+    if p.n == 1:
+        return [p]
+    return [
+        dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+        for i in range(p.n)
+    ]

@@ -1,0 +1,170 @@
+"""LLMEngine: the synchronous core. `step()` is schedule → execute → update, then detokenise."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from dsinfer.config import EngineConfig
+from dsinfer.device import resolve_device
+from dsinfer.engine.block_pool import BlockPool
+from dsinfer.engine.detokenizer import IncrementalDetokenizer
+from dsinfer.engine.kv_cache_manager import KVCacheManager
+from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dsinfer.engine.request import Request, RequestStatus
+from dsinfer.engine.scheduler import Scheduler, StepUpdate
+from dsinfer.models.loader import load_model
+from dsinfer.sampling import SamplingParams
+from dsinfer.tokenizer import Tokenizer, load_tokenizer
+from dsinfer.worker.executor import UniprocExecutor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    req: Request
+    prompt: str | None
+    detok: IncrementalDetokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = resolve_device(config.device)
+        loaded = load_model(config.model, config.dtype, str(device))
+        self.model_config = loaded.config
+        self.dtype = loaded.dtype
+        self.model_path = loaded.path
+        self.tokenizer: Tokenizer = load_tokenizer(loaded.path)
+        self.executor = UniprocExecutor(loaded, config.cache, device, config.seed)
+        self.block_size = config.cache.block_size
+        self.max_model_len = min(
+            loaded.config.max_position_embeddings,
+            config.scheduler.max_model_len or loaded.config.max_position_embeddings,
+        )
+        self.pool = BlockPool(self.executor.num_blocks, config.cache.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.pool, self.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # -- requests -------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError for prompts the model or the pool cannot take."""
+        if params.n != 1:
+            raise ValueError("LLMEngine takes n=1 requests; fan out n>1 above the engine")
+        ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty: send at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but this model's context length is "
+                f"{self.max_model_len}; shorten the prompt (at least one token must be left "
+                "for the answer)"
+            )
+        pool_tokens = self.pool.num_blocks * self.block_size
+        if len(ids) + 1 > pool_tokens:
+            raise ValueError(f"the prompt needs {len(ids) + 1} KV slots but the whole KV pool holds "
+                             f"{pool_tokens}; raise --kv-cache-memory")
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(rid, ids, params, self.tokenizer.eos_token_ids, self.max_model_len)
+        self.scheduler.add_request(req)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params)
+        self._tracked[rid] = _Tracked(req, prompt if isinstance(prompt, str) else None, detok)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._tracked.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if not sched_out.seqs and not sched_out.finished_req_ids:
+            return []
+        result = self.executor.execute(sched_out)
+        updates = self.scheduler.update(sched_out, result)
+        return [o for u in updates if (o := self._process(u)) is not None]
+
+    def _process(self, u: StepUpdate) -> RequestOutput | None:
+        tracked = self._tracked.get(u.req.request_id)
+        if tracked is None:
+            return None
+        req, detok = u.req, tracked.detok
+        detok.add_tokens(u.new_token_ids, final=u.finished)
+        finished = u.finished
+        if detok.stopped_by is not None and not finished:
+            req.stop_reason = detok.stopped_by
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            finished = True
+        elif detok.stopped_by is not None:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
+        if finished:
+            self._tracked.pop(req.request_id, None)
+        if not u.new_token_ids and not finished and not req.prompt_logprobs:
+            return None
+        return self._make_output(tracked, u.new_token_ids, finished)
+
+    def _make_output(
+        self, tracked: _Tracked, new_ids: list[int], finished: bool
+    ) -> RequestOutput:
+        req = tracked.req
+        params = req.params
+        finish = req.status.value if finished else None
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.detok.text,
+            token_ids=list(req.output_token_ids),
+            logprobs=list(req.logprobs) if params.logprobs is not None else None,
+            finish_reason=finish,
+            stop_reason=req.stop_reason if finished else None,
+            delta_text=tracked.detok.take_delta(finished),
+            delta_token_ids=list(new_ids),
+        )
+        plp = None
+        if params.prompt_logprobs is not None:
+            plp = [None] + [req.prompt_logprobs.get(p) for p in range(1, req.num_prompt_tokens)]
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finished_time=time.monotonic() if finished else None,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+            num_preemptions=req.num_preemptions,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            prompt_logprobs=plp,
+            metrics=metrics,
+        )
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()

@@ -1,0 +1,40 @@
+"""What the engine returns: RequestOutput with one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dsinfer.worker.step_io import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    # Streaming: what this step added.
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None

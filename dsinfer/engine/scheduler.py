@@ -1,0 +1,209 @@
+"""Token-budget scheduler: one loop covers prefill chunks, decode steps and prefix-cache hits.
+
+Each step spends at most `max_num_batched_tokens` tokens over at most `max_num_seqs` sequences.
+Running requests go first (oldest first); when the pool is short, the newest running request is
+preempted (its blocks freed, its tokens recomputed later). Waiting requests join only when no
+preemption happened this step, so a starved pool is not refilled with new work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from dsinfer.config import SchedulerConfig
+from dsinfer.engine.kv_cache_manager import KVCacheManager
+from dsinfer.engine.request import Request, RequestStatus
+from dsinfer.worker.step_io import (
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledSeq,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What one step did to one request, for the output processor."""
+
+    req: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._announced: set[str] = set()
+        self._finished_ids: list[str] = []
+        self._orphans: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- admission --------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> None:
+        """Stop a request (abort, or a stop string found on text); frees its blocks at once."""
+        req = self.requests.get(req_id)
+        if req is None or req.status.finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        if req.request_id in self._announced:
+            self._announced.discard(req.request_id)
+            self._finished_ids.append(req.request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            n_running = len(self.running)
+            ok = self._allocate_or_preempt(req, num_new)
+            preempted = preempted or len(self.running) < n_running
+            if not ok:
+                break
+            seqs.append(self._slice(req, num_new))
+            budget -= num_new
+            i += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            blocks, num_cached = [], 0
+            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
+                blocks, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, num_new, blocks):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            seqs.append(self._slice(req, num_new))
+            budget -= num_new
+
+        new_reqs = []
+        for s in seqs:
+            if s.req_id not in self._announced:
+                req = self.requests[s.req_id]
+                self._announced.add(s.req_id)
+                new_reqs.append(NewRequestData(s.req_id, req.prompt_token_ids, req.params))
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(seqs=seqs, new_requests=new_reqs, finished_req_ids=finished)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int) -> bool:
+        """Allocate for `req`, preempting the newest running requests until it fits.
+
+        Returns False when `req` itself had to be preempted (or cannot fit in an empty pool)."""
+        while not self.kv.allocate_slots(req, num_new):
+            victim = self.running.pop()
+            if victim is req and not self.running:
+                # Alone and still too big: the pool cannot hold this sequence at all.
+                logger.warning("request %s exceeds the KV pool; finishing it", req.request_id)
+                req.status = RequestStatus.FINISHED_LENGTH
+                self._release(req)
+                self._orphans.append(req)
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        req.status = RequestStatus.PREEMPTED
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _slice(self, req: Request, num_new: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        end = start + num_new
+        want_plp = (
+            req.params.prompt_logprobs is not None
+            and start < req.num_prompt_tokens - 1
+            and len(req.prompt_logprobs) < req.num_prompt_tokens - 1
+        )
+        return ScheduledSeq(
+            req_id=req.request_id,
+            token_ids=req.all_token_ids[start:end],
+            start_pos=start,
+            block_table=list(self.kv.block_table(req)),
+            do_sample=end == req.num_tokens,
+            want_prompt_logprobs=want_plp,
+            prompt_len=req.num_prompt_tokens,
+        )
+
+    # -- results ------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[StepUpdate]:
+        updates: list[StepUpdate] = []
+        now = time.monotonic()
+        for seq in out.seqs:
+            req = self.requests.get(seq.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished or preempted since it was scheduled
+            req.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_full_blocks(req)
+            for pos, lp in result.prompt_logprobs.get(seq.req_id, []):
+                req.prompt_logprobs.setdefault(pos, lp)
+            new_tokens: list[int] = []
+            status = None
+            if seq.do_sample:
+                if req.max_tokens <= 0:
+                    status = RequestStatus.FINISHED_LENGTH
+                else:
+                    tok = result.sampled[seq.req_id]
+                    req.append_token(tok)
+                    if seq.req_id in result.logprobs:
+                        req.logprobs.append(result.logprobs[seq.req_id])
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    new_tokens.append(tok)
+                    status = req.check_stop_token()
+            if status is not None:
+                self.running.remove(req)
+                req.status = status
+                self._release(req)
+            updates.append(StepUpdate(req, new_tokens, status is not None))
+        for req in self._orphans:
+            updates.append(StepUpdate(req, [], True))
+        self._orphans.clear()
+        return updates

@@ -1,0 +1,1 @@
+"""nn.Module building blocks shared by every model family."""

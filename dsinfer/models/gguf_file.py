@@ -1,0 +1,115 @@
+"""Reading GGUF files: metadata → ModelConfig, tensors → dequantised torch tensors, HF names.
+
+llama.cpp stores the Llama Q and K projections with rows permuted for its interleaved rotary
+layout; we undo that here, or attention would be silently wrong while everything "runs".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from dsinfer.config import ModelConfig, RopeConfig
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_SUPPORTED_QTYPES = {
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+    "Q6_K",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
+    arch = field_value(reader, "general.architecture")
+    if arch not in _ARCH:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH)}")
+
+    def get(k: str, default: Any = None) -> Any:
+        return field_value(reader, f"{arch}.{k}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = get("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))
+    return ModelConfig(
+        architecture=_ARCH[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope=RopeConfig(theta=float(get("rope.freq_base", 10000.0))),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+    )
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Invert llama.cpp's rotary row permutation: rows (h, d/2, 2) → (h, 2, d/2)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def iter_gguf_tensors(
+    reader: gguf.GGUFReader, cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF-style name, fp32 tensor) one at a time, so only one dequantised copy is live."""
+    permute = cfg.architecture == "LlamaForCausalLM"
+    for t in reader.tensors:
+        qname = t.tensor_type.name
+        if qname not in _SUPPORTED_QTYPES:
+            raise ValueError(f"GGUF tensor {t.name} uses quantisation {qname}, which dsinfer "
+                             f"cannot dequantise; supported: {sorted(_SUPPORTED_QTYPES)}")
+        name = hf_name(t.name)
+        if name is None:
+            raise ValueError(f"unexpected GGUF tensor {t.name!r}; this GGUF has tensors dsinfer "
+                             f"does not know for {cfg.architecture}")
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not arr.flags.writeable:  # F32 tensors come back as a read-only view of the mmap
+            arr = arr.copy()
+        w = torch.from_numpy(arr).reshape(shape)
+        if permute and name.endswith("q_proj.weight"):
+            w = _unpermute(w, cfg.num_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            w = _unpermute(w, cfg.num_kv_heads)
+        yield name, w

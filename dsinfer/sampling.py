@@ -1,0 +1,76 @@
+"""SamplingParams: what a request asks of the sampler. Greedy (temperature 0) is first-class."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request decoding controls, validated on construction (ValueError names the field)."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        _check(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _check(
+            self.max_tokens is None or self.max_tokens >= 0,
+            "max_tokens",
+            f"must be >= 0, got {self.max_tokens}",
+        )
+        _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        _check(0.0 <= self.temperature <= 2.0 or self.temperature == 0, "temperature",
+               f"must be in [0, 2], got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 or >= 1, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty",
+               f"must be > 0, got {self.repetition_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               f"must be in [-2, 2], got {self.frequency_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+               f"must be in [-2, 2], got {self.presence_penalty}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or 0 <= v <= _MAX_LOGPROBS, name,
+                   f"must be between 0 and {_MAX_LOGPROBS}, got {v}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+def _check(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid sampling parameter {name}: {why}")

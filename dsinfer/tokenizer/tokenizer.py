@@ -1,0 +1,118 @@
+"""One Tokenizer type over `tokenizers.Tokenizer`, whatever file it came from.
+
+We apply tokenizer_config's `add_bos_token` ourselves: transformers 5's AutoTokenizer ignores it,
+and forcing its slow Llama classes breaks Chinese for DeepSeek's byte-level vocabularies.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from dsinfer.tokenizer.chat_template import render_chat
+
+# Tokens that end an assistant turn in the families we serve; added to the stop set when present.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<｜end▁of▁sentence｜>")
+
+
+@dataclass
+class Tokenizer:
+    backend: HFTokenizer
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos: bool
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids = {self.eos_token_id} if self.eos_token_id is not None else set()
+        for tok in END_OF_TURN_TOKENS:
+            tid = self.backend.token_to_id(tok)
+            if tid is not None:
+                ids.add(tid)
+        return frozenset(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt to "
+                             "/v1/completions or LLM.generate instead")
+        return render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            **kwargs,
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Render and encode; the template already writes BOS where the model wants it."""
+        text = self.apply_chat_template(messages, **kwargs)
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return ids
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def from_hf_dir(path: Path) -> Tokenizer:
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ValueError(f"{path} has no tokenizer.json; dsinfer reads fast-tokenizer files only")
+    backend = HFTokenizer.from_file(str(tok_file))
+    cfg_file = path / "tokenizer_config.json"
+    cfg: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    bos = _token_text(cfg.get("bos_token"))
+    eos = _token_text(cfg.get("eos_token"))
+    template = cfg.get("chat_template")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    specials = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v is not None}
+    return Tokenizer(
+        backend=backend,
+        bos_token_id=backend.token_to_id(bos) if bos else None,
+        eos_token_id=backend.token_to_id(eos) if eos else None,
+        add_bos=bool(cfg.get("add_bos_token", False)),
+        chat_template=template,
+        special_tokens=specials,
+    )
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load from an HF model directory (tokenizer.json + tokenizer_config.json) or a GGUF file."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        from dsinfer.tokenizer.gguf_vocab import from_gguf
+
+        return from_gguf(p)
+    if p.is_dir():
+        return from_hf_dir(p)
+    raise ValueError(f"cannot load a tokenizer from {path}: give an HF directory or a .gguf file")

@@ -1,0 +1,1 @@
+"""Data plane: one model runner per parallel rank."""

@@ -1,0 +1,24 @@
+"""Executor: runs a SchedulerOutput on every rank. World size 1 here: the runner in-process."""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.config import CacheConfig
+from dsinfer.models.loader import LoadedModel
+from dsinfer.worker.model_runner import ModelRunner
+from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
+
+
+class UniprocExecutor:
+    def __init__(
+        self, loaded: LoadedModel, cache: CacheConfig, device: torch.device, seed: int = 0
+    ) -> None:
+        self.runner = ModelRunner(loaded, cache, device, seed)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(out)

@@ -1,0 +1,71 @@
+"""SchedulerOutput → flat input tensors and attention metadata for one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsinfer.layers.attention import AttentionMetadata, PrefillSeq
+from dsinfer.worker.step_io import ScheduledSeq
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInput:
+    seqs: list[ScheduledSeq]  # in flat-batch order: decodes first, then prefills
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    last_rows: list[int]  # row of each seq's last token in the flat batch
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def build_model_input(
+    seqs: list[ScheduledSeq], block_size: int, device: torch.device
+) -> ModelInput:
+    ordered = [s for s in seqs if len(s.token_ids) == 1] + [s for s in seqs if len(s.token_ids) > 1]
+    ids: list[int] = []
+    pos: list[int] = []
+    slot_mapping: list[int] = []
+    last_rows: list[int] = []
+    prefills: list[PrefillSeq] = []
+    decode_rows: list[list[int]] = []
+    for s in ordered:
+        n = len(s.token_ids)
+        end = s.start_pos + n
+        q_start = len(ids)
+        ids.extend(s.token_ids)
+        pos.extend(range(s.start_pos, end))
+        slot_mapping.extend(_slots(s.block_table, s.start_pos, end, block_size))
+        last_rows.append(len(ids) - 1)
+        ctx = _slots(s.block_table, 0, end, block_size)
+        if n == 1:
+            decode_rows.append(ctx)
+        else:
+            slots = torch.tensor(ctx, dtype=torch.int64, device=device)
+            prefills.append(PrefillSeq(q_start, n, end, slots))
+    decode_slots = decode_mask = None
+    if decode_rows:
+        lmax = max(len(r) for r in decode_rows)
+        padded = [r + [0] * (lmax - len(r)) for r in decode_rows]
+        decode_slots = torch.tensor(padded, dtype=torch.int64, device=device)  # [B, Lmax]
+        lens = torch.tensor([len(r) for r in decode_rows], device=device)
+        mask = torch.arange(lmax, device=device).unsqueeze(0) >= lens.unsqueeze(1)
+        decode_mask = mask.view(len(decode_rows), 1, 1, lmax)  # broadcast over [B, KV, G, L]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        num_decode=len(decode_rows),
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        prefills=tuple(prefills),
+    )
+    return ModelInput(
+        seqs=ordered,
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(pos, dtype=torch.int64, device=device),
+        meta=meta,
+        last_rows=last_rows,
+    )

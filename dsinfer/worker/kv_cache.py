@@ -1,0 +1,37 @@
+"""The preallocated KV pool (MHA layout): per layer, K and V of [num_blocks, block_size, KV, D]."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dsinfer.config import CacheConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def num_blocks_for_budget(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    per_block = model.kv_bytes_per_token(dtype) * cache.block_size
+    n = cache.kv_cache_memory_bytes // per_block
+    if n < 1:
+        raise ValueError(f"KV cache budget {cache.kv_cache_memory_bytes} bytes is smaller than one "
+                         f"block ({per_block} bytes); raise --kv-cache-memory")
+    return int(n)
+
+
+def allocate_kv_cache(
+    model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """Allocate (and touch, so a too-large pool fails now, not mid-request) the whole pool."""
+    n = num_blocks_for_budget(model, cache, dtype)
+    shape = (n, cache.block_size, model.num_kv_heads, model.head_dim)
+    caches = [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(model.num_layers)
+    ]
+    logger.info("KV pool: %d blocks × %d tokens = %d tokens, %.1f MiB", n, cache.block_size,
+                n * cache.block_size, n * cache.block_size * model.kv_bytes_per_token(dtype) / 2**20)
+    return caches, n

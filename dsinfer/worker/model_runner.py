@@ -1,0 +1,92 @@
+"""ModelRunner: SchedulerOutput → tensors → forward over the paged cache → sampled tokens.
+
+It never sees a Request: what it must remember between steps (sampling params, generators, the
+tokens it sampled) arrives once as NewRequestData and is dropped on finished_req_ids.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dsinfer.config import CacheConfig
+from dsinfer.models.loader import LoadedModel
+from dsinfer.worker.input_batch import build_model_input
+from dsinfer.worker.kv_cache import allocate_kv_cache
+from dsinfer.worker.sampler import Sampler, SamplerState, prompt_logprob_entries
+from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, cache: CacheConfig, device: torch.device, seed: int = 0
+    ) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.dtype = loaded.dtype
+        self.device = device
+        self.block_size = cache.block_size
+        self.kv_caches, self.num_blocks = allocate_kv_cache(
+            loaded.config, cache, loaded.dtype, device
+        )
+        self.sampler = Sampler()
+        self.states: dict[str, SamplerState] = {}
+        # Unseeded requests draw their generator seeds from this stream: runs are reproducible.
+        self._seed_stream = torch.Generator().manual_seed(seed)
+
+    def _new_generator(self, seed: int | None) -> torch.Generator:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_stream))
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in out.finished_req_ids:
+            self.states.pop(rid, None)
+        for nr in out.new_requests:
+            self.states[nr.req_id] = SamplerState(
+                nr.params, nr.prompt_token_ids, self._new_generator(nr.params.seed)
+            )
+        result = ModelRunnerOutput()
+        if not out.seqs:
+            return result
+        inp = build_model_input(out.seqs, self.block_size, self.device)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, hidden]
+
+        sample_idx = [i for i, s in enumerate(inp.seqs) if s.do_sample]
+        if sample_idx:
+            rows = torch.tensor([inp.last_rows[i] for i in sample_idx], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
+            states = [self.states[inp.seqs[i].req_id] for i in sample_idx]
+            tokens, lps = self.sampler(logits, states)
+            for i, tok, lp, st in zip(sample_idx, tokens, lps, states, strict=True):
+                rid = inp.seqs[i].req_id
+                result.sampled[rid] = tok
+                st.output_token_ids.append(tok)
+                if lp is not None:
+                    result.logprobs[rid] = lp
+        self._prompt_logprobs(inp, hidden, result)
+        return result
+
+    def _prompt_logprobs(self, inp, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:  # noqa: ANN001
+        """Logprob of each prompt token given its prefix, for rows inside this chunk."""
+        for i, s in enumerate(inp.seqs):
+            if not s.want_prompt_logprobs:
+                continue
+            first_row = inp.last_rows[i] - len(s.token_ids) + 1
+            st = self.states[s.req_id]
+            prompt = st.prompt_token_ids
+            # Row r holds position s.start_pos + r and predicts prompt[pos + 1].
+            n = min(len(s.token_ids), len(prompt) - 1 - s.start_pos)
+            if n <= 0:
+                continue
+            logits = self.model.compute_logits(hidden[first_row : first_row + n])
+            targets = prompt[s.start_pos + 1 : s.start_pos + 1 + n]
+            top_n = st.params.prompt_logprobs or 0
+            entries = prompt_logprob_entries(logits, targets, top_n)
+            result.prompt_logprobs[s.req_id] = [
+                (s.start_pos + 1 + j, e) for j, e in enumerate(entries)
+            ]

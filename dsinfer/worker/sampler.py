@@ -1,0 +1,111 @@
+"""Batched sampling with per-request state: penalties, temperature, top-k/p, min-p, seeds.
+
+Each request owns a torch.Generator seeded from its `seed` (or from the engine's seed stream),
+and its random draws never depend on other rows, so the same seed gives the same text whatever
+else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsinfer.sampling import SamplingParams
+from dsinfer.worker.step_io import TokenLogprobs
+
+
+@dataclass
+class SamplerState:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    generator: torch.Generator
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def apply_penalties(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+    """Repetition (prompt + output, multiplicative) and OpenAI frequency/presence (output only)."""
+    for i, st in enumerate(states):
+        p = st.params
+        if not p.needs_penalties:
+            continue
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(st.prompt_token_ids + st.output_token_ids)),
+                                dtype=torch.int64, device=row.device)
+            if seen.numel():
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                        vals * p.repetition_penalty)
+        if st.output_token_ids and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(
+                torch.tensor(st.output_token_ids, dtype=torch.int64, device=row.device),
+                minlength=row.shape[0],
+            )[: row.shape[0]].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p on one row [V]; removed tokens become -inf."""
+    x = logits / params.temperature
+    if params.top_k > 0 and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return x
+
+
+def _logprob_entry(lp_row: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
+    chosen = float(lp_row[token])
+    rank = int((lp_row > lp_row[token]).sum()) + 1
+    top: list[tuple[int, float]] = []
+    if top_n:
+        vals, idx = torch.topk(lp_row, top_n)
+        top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
+    return TokenLogprobs(token, chosen, rank, top)
+
+
+class Sampler:
+    def __call__(
+        self, logits: torch.Tensor, states: list[SamplerState]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: fp32 [B, V] → one token per row, plus logprobs where asked."""
+        want_lp = [st.params.logprobs is not None for st in states]
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        if any(st.params.needs_penalties for st in states):
+            logits = apply_penalties(logits.clone(), states)
+        greedy = logits.argmax(dim=-1).tolist()
+        tokens: list[int] = []
+        for i, st in enumerate(states):
+            if st.params.greedy:
+                tokens.append(int(greedy[i]))
+                continue
+            probs = torch.softmax(filter_logits(logits[i], st.params), dim=-1)
+            # Exponential race: argmax(p / E), E ~ Exp(1), is an exact draw from p.
+            noise = torch.empty_like(probs).exponential_(generator=st.generator)
+            tokens.append(int((probs / noise).argmax()))
+        lps: list[TokenLogprobs | None] = []
+        for i, st in enumerate(states):
+            if raw_lp is None or st.params.logprobs is None:
+                lps.append(None)
+            else:
+                lps.append(_logprob_entry(raw_lp[i], tokens[i], st.params.logprobs))
+        return tokens, lps
+
+
+def prompt_logprob_entries(
+    logits: torch.Tensor, targets: list[int], top_n: int
+) -> list[TokenLogprobs]:
+    """logits [N, V] at positions p predicting targets[p] → one entry each."""
+    lp = torch.log_softmax(logits, dim=-1)
+    return [_logprob_entry(lp[i], t, top_n) for i, t in enumerate(targets)]
