@@ -1,0 +1,75 @@
+"""SmolLM2-135M real weights: our engine against transformers, fp32."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsinfer import SamplingParams
+from tests.conftest import PROMPTS
+from tests.helpers import assert_pool_clean, full_logits, tokens_match_up_to_near_tie
+
+PPL_TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
+    "from 1887 to 1889. Locally nicknamed 'La dame de fer', it was constructed as the "
+    "centrepiece of the 1889 World's Fair."
+)
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_logits_match_reference_at_every_position(smol_llm, hf_smol):
+    for prompt in PROMPTS[:3]:
+        ids = smol_llm.tokenizer.encode(prompt)
+        ours = full_logits(smol_llm.engine, ids)
+        ref = _hf_logits(hf_smol, ids)
+        assert ours.shape == ref.shape
+        err = (ours - ref).abs().max().item()
+        assert err < 1e-3, f"max |Δlogit| {err} for {prompt!r}"
+    assert_pool_clean(smol_llm.engine)
+
+
+def test_64_greedy_tokens_match_reference(smol_llm, hf_smol):
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outs = smol_llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = smol_llm.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            gen = hf_smol.generate(
+                torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=None,
+                pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            )
+        ref = gen.sequences[0, len(ids):].tolist()
+        ref_logits = torch.stack([lg[0] for lg in gen.logits])
+        ours = out.outputs[0].token_ids
+        assert len(ours) == 64
+        assert tokens_match_up_to_near_tie(ours, ref, ref_logits), (prompt, ours, ref)
+    assert_pool_clean(smol_llm.engine)
+
+
+def test_perplexity_from_prompt_logprobs_matches_reference(smol_llm, hf_smol):
+    ids = smol_llm.tokenizer.encode(PPL_TEXT)
+    out = smol_llm.generate({"prompt_token_ids": ids},
+                            SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert out.prompt_logprobs[0] is None
+    lps = [e.logprob for e in out.prompt_logprobs[1:]]
+    assert len(lps) == len(ids) - 1
+    ours = math.exp(-sum(lps) / len(lps))
+    ref_lp = torch.log_softmax(_hf_logits(hf_smol, ids), dim=-1)
+    ref_nll = -ref_lp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean().item()
+    ref = math.exp(ref_nll)
+    assert abs(ours - ref) / ref < 1e-4, (ours, ref)
+    assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
+    assert_pool_clean(smol_llm.engine)
+
+
+def test_chat_answers_paris(smol_llm):
+    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"
