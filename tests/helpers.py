@@ -42,3 +42,15 @@ def tokens_match_up_to_near_tie(
             top2 = torch.topk(ref_logits[i], 2).values
             return float(top2[0] - top2[1]) <= tol
     return len(ours) == len(ref)
+
+
+def agree_or_near_tie(engine: LLMEngine, prompt: list[int], a: list[int], b: list[int]) -> bool:
+    """Two of our own runs agree, or part where the model's top-2 logits are within 1e-3."""
+    if a == b:
+        return True
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if i is None:
+        return False  # one is a strict prefix of the other: lengths differ, not a tie
+    logits = full_logits(engine, prompt + a[:i])[-1]
+    top2 = torch.topk(logits, 2).values
+    return float(top2[0] - top2[1]) <= 1e-3

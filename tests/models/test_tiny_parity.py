@@ -1,0 +1,94 @@
+"""Tiny random Llama and Qwen2 checkpoints written by transformers: logits and greedy parity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dsinfer import LLM, SamplingParams
+from tests.helpers import assert_pool_clean, full_logits, tokens_match_up_to_near_tie
+
+VOCAB = 320
+
+
+def _tokenizer_files(path) -> None:  # noqa: ANN001
+    """A tiny word-level tokenizer so the directory is a complete HF checkpoint."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "w1", "eos_token": "w2", "add_bos_token": True})
+    )
+
+
+CASES = {
+    "llama-gqa-untied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama3-rope": ("llama", dict(num_key_value_heads=2, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "qwen2-tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-untied": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def tiny(request, tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    family, extra = CASES[request.param]
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5)
+    torch.manual_seed(hash(request.param) % 1000)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, **extra))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **extra))
+        with torch.no_grad():  # random init leaves biases at zero: make them count
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.eval()
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    _tokenizer_files(path)
+    llm = LLM(str(path), dtype="float32", num_blocks=64, block_size=4)
+    return llm, model
+
+
+def test_logits_match(tiny):
+    llm, ref = tiny
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 33):
+        ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        ours = full_logits(llm.engine, ids)
+        with torch.inference_mode():
+            want = ref(torch.tensor([ids])).logits[0]
+        assert (ours - want).abs().max().item() < 1e-4
+
+
+def test_greedy_matches_batched(tiny):
+    llm, ref = tiny
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            gen = ref.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
+                               eos_token_id=None, pad_token_id=0, output_logits=True,
+                               return_dict_in_generate=True)
+        want = gen.sequences[0, len(p):].tolist()
+        logits = torch.stack([lg[0] for lg in gen.logits])
+        assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits)
+    assert_pool_clean(llm.engine)
+
+
+def test_bos_rule_from_tokenizer_config(tiny):
+    llm, _ = tiny
+    assert llm.tokenizer.encode("w5 w6") == [1, 5, 6]
