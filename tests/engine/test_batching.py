@@ -75,3 +75,31 @@ def test_prefix_cache_hits_give_same_tokens(smol_llm, alone):
         assert agree_or_near_tie(smol_llm.engine, ids, c.outputs[0].token_ids,
                                  b.outputs[0].token_ids)
     assert_pool_clean(smol_llm.engine)
+
+
+def test_seeded_sampling_same_alone_and_in_batch(smol_llm):
+    p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=1234, ignore_eos=True)
+    alone = smol_llm.generate(PROMPTS[0], p)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    batch = smol_llm.generate(PROMPTS[:4], [p, others, others, others])
+    assert batch[0].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=99,
+                                ignore_eos=True)
+    assert smol_llm.generate(PROMPTS[0], other_seed)[0].outputs[0].token_ids != alone
+    assert_pool_clean(smol_llm.engine)
+
+
+def test_n_samples_and_stop_strings_end_to_end(smol_llm):
+    out = smol_llm.generate("Count: one, two, three,",
+                            SamplingParams(temperature=0.7, n=3, seed=5, max_tokens=12))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    greedy = smol_llm.generate("Count: one, two, three,",
+                               SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    stop = greedy.text[4:7]
+    stopped = smol_llm.generate("Count: one, two, three,",
+                                SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[0]
+    c = stopped.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == greedy.text[: greedy.text.find(stop)]
+    assert_pool_clean(smol_llm.engine)

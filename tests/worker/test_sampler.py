@@ -1,0 +1,105 @@
+"""Sampler: support sets of top-k/top-p/min-p, penalties, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsinfer.sampling import SamplingParams
+from dsinfer.worker.sampler import Sampler, SamplerState, apply_penalties, filter_logits
+
+
+def _state(seed=0, prompt=(), out=(), **kw) -> SamplerState:
+    return SamplerState(SamplingParams(**kw), list(prompt), torch.Generator().manual_seed(seed),
+                        list(out))
+
+
+LOGITS = torch.log(torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04]))
+
+
+def _support(params: SamplingParams) -> set[int]:
+    x = filter_logits(LOGITS.clone(), params)
+    return {i for i, v in enumerate(x.tolist()) if v != float("-inf")}
+
+
+def test_support_sets():
+    assert _support(SamplingParams(top_k=2)) == {0, 1}
+    assert _support(SamplingParams(top_p=0.5)) == {0, 1}  # 0.40 < 0.5 ≤ 0.65
+    assert _support(SamplingParams(top_p=0.39)) == {0}
+    assert _support(SamplingParams(top_p=0.66)) == {0, 1, 2}
+    assert _support(SamplingParams(min_p=0.3)) == {0, 1, 2}  # ≥ 0.12
+    assert _support(SamplingParams(top_k=4, min_p=0.5)) == {0, 1}
+
+
+def test_samples_stay_in_support_and_follow_distribution():
+    sampler = Sampler()
+    st = _state(seed=3, temperature=1.0, top_k=3)
+    counts = torch.zeros(6)
+    for _ in range(3000):
+        tok, _ = sampler(LOGITS.clone().unsqueeze(0), [st])
+        counts[tok[0]] += 1
+    assert counts[3:].sum() == 0
+    freq = counts[:3] / counts.sum()
+    want = torch.tensor([0.40, 0.25, 0.15]) / 0.80
+    assert (freq - want).abs().max() < 0.04
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    sampler = Sampler()
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(4, 50, generator=g)
+    alone = [sampler(rows[:1].clone(), [st])[0][0]
+             for st in [_state(seed=42, temperature=0.9)] for _ in range(1)]
+    seq_alone, seq_batch = [], []
+    a, b = _state(seed=42, temperature=0.9), _state(seed=42, temperature=0.9)
+    others = [_state(seed=s, temperature=1.0, top_p=0.8) for s in (1, 2, 3)]
+    for _ in range(20):
+        seq_alone.append(sampler(rows[:1].clone(), [a])[0][0])
+        seq_batch.append(sampler(rows.clone(), [b, *others])[0][0])
+    assert seq_alone == seq_batch
+    assert alone[0] == seq_alone[0]
+    c = _state(seed=43, temperature=0.9)
+    assert [sampler(rows[:1].clone(), [c])[0][0] for _ in range(20)] != seq_alone
+
+
+def test_greedy_is_argmax_and_ignores_generator():
+    tok, _ = Sampler()(LOGITS.clone().unsqueeze(0), [_state(temperature=0)])
+    assert tok == [0]
+
+
+def test_repetition_penalty():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    out = apply_penalties(logits.clone(), [_state(prompt=[0], out=[1], repetition_penalty=2.0)])
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+
+
+def test_frequency_and_presence_penalties():
+    logits = torch.zeros(1, 4)
+    st = _state(prompt=[3], out=[1, 1, 2], frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(logits, [st])
+    assert out.tolist() == [[0.0, -1.25, -0.75, 0.0]]  # prompt tokens are not penalised
+
+
+def test_penalty_changes_greedy_choice():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    tok, _ = Sampler()(logits, [_state(temperature=0, out=[0], presence_penalty=0.5)])
+    assert tok == [1]
+
+
+def test_logprobs_top_n_and_rank():
+    st = _state(temperature=0, logprobs=3)
+    tok, lps = Sampler()(LOGITS.clone().unsqueeze(0), [st])
+    lp = lps[0]
+    assert lp.token_id == 0 and lp.rank == 1
+    assert math.isclose(lp.logprob, math.log(0.40), rel_tol=1e-5)
+    assert [t for t, _ in lp.top] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_k=0),
+                                dict(max_tokens=-1), dict(logprobs=21), dict(n=0),
+                                dict(min_p=1.5), dict(presence_penalty=3)])
+def test_invalid_params_name_the_field(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        SamplingParams(**kw)
