@@ -1,0 +1,1 @@
+"""Benchmarks: `dsinfer bench offline|serve`."""

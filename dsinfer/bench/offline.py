@@ -1,0 +1,2 @@
+"""placeholder"""
+def add_args(p): pass

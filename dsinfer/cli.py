@@ -1,0 +1,133 @@
+"""The `dsinfer` command line: generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="cpu | cuda | npu | auto")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="KV pool budget, e.g. 512MiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="override the budget")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    return EngineConfig(
+        model=model, dtype=args.dtype, device=args.device, seed=args.seed,
+        cache=CacheConfig(block_size=args.block_size,
+                          kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),
+                          num_blocks=args.num_kv_blocks,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dsinfer.engine.llm_engine import LLMEngine
+    from dsinfer.sampling import SamplingParams
+
+    engine = LLMEngine(engine_config(args, args.model))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed_sample)
+    if args.chat:
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        ids = engine.tokenizer.encode(args.prompt)
+    engine.add_request(ids, params)
+    finish = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+            if out.finished:
+                finish = out.outputs[0].finish_reason
+    sys.stdout.write("\n")
+    logging.getLogger("dsinfer").info("finish_reason=%s", finish)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dsinfer.server.launch import serve
+
+    return serve(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_cmd == "serve":
+        from dsinfer.bench.serve import run_cli
+    else:
+        from dsinfer.bench.offline import run_cli
+    return run_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsinfer", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--model", default="smollm2", help="HF directory, .gguf file or 'smollm2'")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    _engine_args(g)
+    g.set_defaults(func=cmd_generate)
+    # `--seed` seeds the engine; for generate it is also the sampling seed.
+    g.set_defaults(seed_sample=None)
+
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    s.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
+                   help="model to serve (repeatable); default: the embedded smollm2")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    s.add_argument("--max-queued-requests", type=int, default=256)
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    s.add_argument("--shutdown-timeout", type=int, default=30,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    from dsinfer.bench.offline import add_args as offline_args
+    from dsinfer.bench.serve import add_args as serve_args
+
+    offline_args(bsub.add_parser("offline", help="offline throughput vs transformers"))
+    serve_args(bsub.add_parser("serve", help="load-test an OpenAI-compatible server"))
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "cmd", None) == "generate":
+        args.seed_sample = args.seed
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"dsinfer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""AsyncEngine: the engine loop on its own thread, one asyncio queue per request.
+
+The event loop never runs model code. Commands (add, abort) cross to the engine thread through
+a thread-safe inbox; outputs cross back with `call_soon_threadsafe`. A request whose client
+went away is aborted, and its KV blocks return to the pool on the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[AsyncEngine], None] | None = None):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._counter = 0
+        self._lock = threading.Lock()
+        self.dead: BaseException | None = None
+        self.on_step = on_step
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
+        self._thread.start()
+
+    # -- public, called from the event loop ---------------------------------------------------
+    @property
+    def num_pending(self) -> int:
+        """Requests accepted and not yet finished (queued, running, or about to be added)."""
+        return len(self._streams)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        with self._lock:
+            self._counter += 1
+            return f"{prefix}-{self._counter}"
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutputs (deltas) until finished; aborts the request if the consumer
+        stops early (client disconnect, cancellation)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._send("add", (request_id, prompt_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send("abort", request_id)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _send(self, kind: str, payload: object) -> None:
+        self._inbox.put((kind, payload))
+        self._wake.set()
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                rid, ids, params = payload  # type: ignore[misc]
+                if rid not in self._streams:
+                    continue  # the client left before we saw it
+                try:
+                    self.engine.add_request(ids, params, request_id=rid)
+                except ValueError as e:
+                    self._deliver(rid, e)
+            elif kind == "abort":
+                self.engine.abort_request(str(payload))
+
+    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    # Flush finished ids to the runner and check the pool while idle.
+                    self.engine.step()
+                    continue
+                t0 = time.perf_counter()
+                outputs = self.engine.step()
+                self.steps += 1
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+                if self.on_step is not None:
+                    self.on_step(self)
+                logger.debug("step %.1f ms, %d outputs", 1e3 * (time.perf_counter() - t0),
+                             len(outputs))
+        except BaseException as e:  # a dead engine must not hang its clients
+            logger.exception("engine loop died")
+            self.dead = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"the engine stopped: {e}"))

@@ -1,0 +1,122 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from dsinfer.server.metrics import ServerMetrics
+from dsinfer.server.protocol import APIError, ChatCompletionRequest
+from dsinfer.server.serving import (
+    ChoiceState,
+    ServedModel,
+    Timing,
+    chat_logprobs,
+    expand_n,
+    fan_out,
+    new_id,
+    sse,
+    until_disconnected,
+)
+
+
+def _prompt_ids(served: ServedModel, body: ChatCompletionRequest) -> list[int]:
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return served.tokenizer.encode_chat(
+            messages, add_generation_prompt=body.add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+async def chat_completion(
+    served: ServedModel, body: ChatCompletionRequest, metrics: ServerMetrics, request: Request
+) -> Any:
+    ids = _prompt_ids(served, body)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    max_tokens = served.check_lengths(len(ids), requested, param)
+    top = body.top_logprobs if body.top_logprobs is not None else 0
+    try:
+        params = body.sampling(max_tokens, top if body.logprobs else None)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    all_params = expand_n(params, body.n)
+    rid = new_id("chatcmpl")
+    metrics.prompt_tokens.inc(len(ids), served.name)
+    timing = Timing(metrics, served.name)
+    if body.stream:
+        gen = _stream(served, body, ids, all_params, rid, timing)
+        return StreamingResponse(gen, media_type="text/event-stream",
+                                 headers={"X-Accel-Buffering": "no"})
+    return await until_disconnected(request, _full(served, body, ids, all_params, rid, timing))
+
+
+async def _full(served, body, ids, all_params, rid, timing) -> dict:  # noqa: ANN001
+    choices = [ChoiceState(i) for i in range(len(all_params))]
+    async for i, out in fan_out(served, ids, all_params, rid):
+        c = out.outputs[0]
+        timing.tokens(len(c.delta_token_ids))
+        st = choices[i]
+        st.text, st.token_ids, st.finish_reason = c.text, c.token_ids, c.finish_reason
+        st.logprobs = c.logprobs or []
+    timing.done()
+    return {
+        "id": rid, "object": "chat.completion", "created": served.created,
+        "model": served.name,
+        "choices": [{
+            "index": st.index,
+            "message": {"role": "assistant", "content": st.text},
+            "logprobs": chat_logprobs(served.tokenizer, st.logprobs) if body.logprobs else None,
+            "finish_reason": st.finish_reason,
+        } for st in choices],
+        "usage": _usage(len(ids), choices),
+    }
+
+
+def _usage(n_prompt: int, choices: list[ChoiceState]) -> dict:
+    n_out = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out}
+
+
+async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        obj = {"id": rid, "object": "chat.completion.chunk", "created": served.created,
+               "model": served.name, "choices": choices}
+        if body.stream_options and body.stream_options.include_usage:
+            obj["usage"] = usage
+        return sse(obj)
+
+    states = [ChoiceState(i) for i in range(len(all_params))]
+    for st in states:
+        yield chunk([{"index": st.index, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None}])
+    try:
+        async for i, out in fan_out(served, ids, all_params, rid):
+            c = out.outputs[0]
+            timing.tokens(len(c.delta_token_ids))
+            st = states[i]
+            st.token_ids = c.token_ids
+            new_lps = (c.logprobs or [])[len(st.logprobs):]
+            st.logprobs = c.logprobs or []
+            if c.delta_text or new_lps:
+                lp = chat_logprobs(served.tokenizer, new_lps) if body.logprobs else None
+                yield chunk([{"index": i, "delta": {"content": c.delta_text}, "logprobs": lp,
+                              "finish_reason": None}])
+            if out.finished:
+                st.finish_reason = c.finish_reason
+                yield chunk([{"index": i, "delta": {}, "logprobs": None,
+                              "finish_reason": c.finish_reason}])
+    except APIError as e:
+        yield sse(e.body())
+    except ValueError as e:
+        yield sse(APIError(400, str(e)).body())
+    timing.done()
+    if body.stream_options and body.stream_options.include_usage:
+        yield chunk([], _usage(len(ids), states))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,65 @@
+"""`dsinfer serve`: load the models, build the app, run uvicorn with a graceful shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.server.api import ServerSettings, build_app
+from dsinfer.server.async_engine import AsyncEngine
+from dsinfer.server.serving import ServedModel
+
+logger = logging.getLogger("dsinfer.serve")
+
+
+def parse_model_spec(spec: str) -> tuple[str, str]:
+    """"NAME=PATH" or "PATH" (the name is then the file or directory stem)."""
+    if "=" in spec:
+        name, path = spec.split("=", 1)
+        if not name or not path:
+            raise ValueError(f"bad --model {spec!r}; write NAME=PATH or PATH")
+        return name, path
+    if spec == "smollm2":
+        return "smollm2", spec
+    return Path(spec).stem, spec
+
+
+def load_served_models(args: argparse.Namespace) -> dict[str, ServedModel]:
+    from dsinfer.cli import engine_config
+
+    specs = [parse_model_spec(s) for s in (args.model or ["smollm2"])]
+    names = [n for n, _ in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must be unique, got {names}")
+    models = {}
+    for name, path in specs:
+        engine = LLMEngine(engine_config(args, path))
+        models[name] = ServedModel(name, AsyncEngine(engine), engine.tokenizer,
+                                   engine.max_model_len)
+    return models
+
+
+def serve(args: argparse.Namespace) -> int:
+    models = load_served_models(args)
+    settings = ServerSettings(api_key=args.api_key, max_queued_requests=args.max_queued_requests,
+                              max_body_bytes=args.max_body_bytes)
+    app = build_app(models, settings)
+
+    @app.on_event("shutdown")
+    def _stop_engines() -> None:
+        for m in models.values():
+            m.engine.shutdown()
+
+    url = f"http://{args.host}:{args.port}"
+    first = next(iter(models))
+    print(f"dsinfer: serving {', '.join(models)} at {url}/v1\n"
+          f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{first}\", \"messages\": [{{\"role\": \"user\", "
+          f"\"content\": \"What is the capital of France?\"}}]}}'", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0

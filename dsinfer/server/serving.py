@@ -1,0 +1,180 @@
+"""Turning OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.sampling import SamplingParams
+from dsinfer.server.async_engine import AsyncEngine
+from dsinfer.server.metrics import ServerMetrics
+from dsinfer.server.protocol import APIError
+from dsinfer.tokenizer import Tokenizer
+from dsinfer.worker.step_io import TokenLogprobs
+
+
+@dataclass
+class ServedModel:
+    name: str
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    max_model_len: int
+    version: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_lengths(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
+        """Validate against the context; return the effective max_tokens."""
+        if n_prompt == 0:
+            raise APIError(400, "the prompt is empty: send at least one token", param="prompt")
+        if n_prompt >= self.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} "
+                           f"tokens, but the prompt has {n_prompt} tokens; shorten it",
+                           param="messages" if param == "max_completion_tokens" else "prompt",
+                           code="context_length_exceeded")
+        room = self.max_model_len - n_prompt
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise APIError(400, f"{param}={max_tokens} is too large: the prompt has {n_prompt} "
+                           f"tokens and this model's maximum context length is "
+                           f"{self.max_model_len}, so at most {room} can be generated",
+                           param=param, code="context_length_exceeded")
+        return max_tokens
+
+
+@dataclass
+class ChoiceState:
+    """Accumulates one choice's output across deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Timing:
+    """Per-request latency bookkeeping for the metrics histograms."""
+
+    def __init__(self, metrics: ServerMetrics, model: str) -> None:
+        self.metrics, self.model = metrics, model
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start, self.model)
+        else:
+            self.metrics.itl.observe((now - self.last) / n, self.model)
+        self.last = now
+        self.metrics.generation_tokens.inc(n, self.model)
+
+    def done(self) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - self.start, self.model)
+
+
+async def fan_out(
+    served: ServedModel, prompt_ids: list[int], params: list[SamplingParams], rid: str
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run n sub-requests concurrently; yield (choice index, delta output) as they arrive."""
+    if len(params) == 1:
+        async for out in served.engine.generate(prompt_ids, params[0], rid):
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, p: SamplingParams) -> None:
+        try:
+            async for out in served.engine.generate(prompt_ids, p, f"{rid}-{i}"):
+                await q.put((i, out))
+        except BaseException as e:  # surfaced to the consumer below
+            await q.put((i, e))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(params)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await q.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def expand_n(params: SamplingParams, n: int) -> list[SamplingParams]:
+    import dataclasses
+
+    return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+            for i in range(n)]
+
+
+def token_text(tok: Tokenizer, tid: int) -> str:
+    return tok.decode([tid], skip_special_tokens=False)
+
+
+def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprobs]) -> dict:
+    def entry(tid: int, lp: float) -> dict:
+        s = token_text(tok, tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [
+        {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, v) for t, v in e.top]}
+        for e in lps
+    ]}
+
+
+def completion_logprobs(tok: Tokenizer, entries: list[tuple[int, TokenLogprobs | None]],
+                        offset0: int = 0) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = offset0
+    for tid, e in entries:
+        s = token_text(tok, tid)
+        tokens.append(s)
+        offsets.append(pos)
+        pos += len(s)
+        lps.append(None if e is None else e.logprob)
+        tops.append(None if e is None else {token_text(tok, t): v for t, v in e.top})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+async def until_disconnected(request: Request, coro: Awaitable[Any]) -> Any:
+    """Await `coro`, cancelling it (and so aborting its requests) if the client goes away."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()

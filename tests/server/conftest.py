@@ -1,0 +1,84 @@
+"""A real uvicorn server on 127.0.0.1 over a real engine, for the real `openai` client."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+
+from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig
+from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.server.api import ServerSettings, build_app
+from dsinfer.server.async_engine import AsyncEngine
+from dsinfer.server.serving import ServedModel
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(app) -> Iterator[str]:  # noqa: ANN001
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="package")
+def served() -> Iterator[ServedModel]:
+    engine = LLMEngine(EngineConfig(
+        model="smollm2", dtype="float32",
+        cache=CacheConfig(kv_cache_memory_bytes=128 * 1024**2),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+    ))
+    model = ServedModel("smollm2", AsyncEngine(engine), engine.tokenizer, engine.max_model_len)
+    yield model
+    model.engine.shutdown()
+
+
+@pytest.fixture(scope="package")
+def base_url(served) -> Iterator[str]:
+    app = build_app({"smollm2": served}, ServerSettings(api_key=API_KEY, max_body_bytes=64_000))
+    with running_server(app) as url:
+        yield url
+
+
+@pytest.fixture()
+def client(base_url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def wait_idle(served: ServedModel, timeout: float = 10.0) -> None:
+    """Wait until the engine has no request and its pool holds no block."""
+    eng = served.engine.engine
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (not eng.has_unfinished_requests() and eng.pool.num_used == 0
+                and served.engine.num_pending == 0):
+            eng.check_integrity()
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: {eng.pool.num_used} blocks used, "
+                         f"{eng.num_unfinished} requests, {served.engine.num_pending} pending")
