@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
 from pathlib import Path
 
 import uvicorn
@@ -60,6 +62,9 @@ def serve(args: argparse.Namespace) -> int:
           f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{first}\", \"messages\": [{{\"role\": \"user\", "
           f"\"content\": \"What is the capital of France?\"}}]}}'", flush=True)
+    # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal to the handler
+    # that was installed before it: make that one a clean exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
