@@ -1,2 +1,181 @@
-"""placeholder"""
-def add_args(p): pass
+"""`dsinfer bench serve`: a bounded streaming load against any OpenAI-compatible server.
+
+Loopback only unless --allow-remote: this is a load generator, and load goes where we own it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import random
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+from dsinfer.bench.stats import summarize
+
+WORDS = ("time year people way day man thing woman life child world school state family "
+         "student group country problem hand part place case week company system program "
+         "question work government number night point home water room mother area money "
+         "story fact month lot right study book eye job word business issue side kind head "
+         "house service friend father power hour game line end member law car city").split()
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--model", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--duration", type=float, default=None,
+                   help="run for this many seconds at constant concurrency instead")
+    p.add_argument("--input-len", type=int, default=128, help="prompt length in words (≈tokens)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
+    p.add_argument("--allow-remote", action="store_true")
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str = ""
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname or ""
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve {host!r}: {e}") from None
+    if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        raise ValueError(f"{url} is not a loopback address; pass --allow-remote to load it")
+
+
+async def one_request(client, args: argparse.Namespace, prompt: str) -> Result:  # noqa: ANN001
+    body = {"prompt": prompt, "max_tokens": args.output_len, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if args.model:
+        body["model"] = args.model
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    t0 = time.perf_counter()
+    res = Result(ok=False)
+    last = None
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{args.url}/v1/completions", json=body,
+                                 headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if obj.get("usage"):
+                    res.output_tokens = obj["usage"].get("completion_tokens", 0)
+                    res.prompt_tokens = obj["usage"].get("prompt_tokens", 0)
+                if obj.get("choices") and obj["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+                    chunks += 1
+        res.e2e = time.perf_counter() - t0
+        res.output_tokens = res.output_tokens or chunks
+        res.ok = True
+    except Exception as e:  # noqa: BLE001  (a failed request is data, not a crash)
+        res.error = repr(e)
+    return res
+
+
+async def run_load(args: argparse.Namespace) -> tuple[list[Result], float]:
+    import httpx
+
+    rng = random.Random(args.seed)
+    results: list[Result] = []
+    issued = 0
+    stop_at = time.perf_counter() + args.duration if args.duration else None
+
+    def more() -> bool:
+        if stop_at is not None:
+            return time.perf_counter() < stop_at
+        return issued < args.num_requests
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0),
+                                 limits=httpx.Limits(max_connections=args.concurrency + 4)) as c:
+        async def worker() -> None:
+            nonlocal issued
+            while more():
+                issued += 1
+                prompt = " ".join(rng.choice(WORDS) for _ in range(args.input_len))
+                results.append(await one_request(c, args, prompt))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        return results, time.perf_counter() - t0
+
+
+def report(results: list[Result], wall: float, args: argparse.Namespace) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    rep = {
+        "url": args.url, "concurrency": args.concurrency, "requests": len(results),
+        "completed": len(ok), "errors": len(results) - len(ok),
+        "input_len": args.input_len, "output_len": args.output_len, "wall_s": wall,
+        "request_throughput": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
+        "ttft_s": summarize([r.ttft for r in ok]),
+        "itl_s": summarize([x for r in ok for x in r.itls]),
+        "e2e_s": summarize([r.e2e for r in ok]),
+        "first_errors": [r.error for r in results if not r.ok][:3],
+    }
+    e2e = rep["e2e_s"]
+    rep["e2e_p99_over_p50"] = e2e["p99"] / e2e["p50"] if ok else float("nan")
+    return rep
+
+
+def print_report(rep: dict) -> None:
+    print(f"url {rep['url']}  concurrency {rep['concurrency']}  requests {rep['requests']}  "
+          f"errors {rep['errors']}  wall {rep['wall_s']:.1f}s")
+    print(f"throughput: {rep['request_throughput']:.2f} req/s, "
+          f"{rep['output_tokens_per_s']:.1f} output tok/s")
+    for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        s = rep[key]
+        print(f"{label:5s} ms  p50 {1e3 * s['p50']:8.1f}  p95 {1e3 * s['p95']:8.1f}  "
+              f"p99 {1e3 * s['p99']:8.1f}")
+    print(f"E2E p99/p50: {rep['e2e_p99_over_p50']:.2f}")
+    for e in rep["first_errors"]:
+        print(f"error: {e}")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    if args.concurrency < 1 or args.num_requests < 1:
+        raise ValueError("--concurrency and --num-requests must be >= 1")
+    if args.duration is not None and not 0 < args.duration <= 4 * 3600:
+        raise ValueError("--duration must be between 0 and 14400 seconds")
+    if not args.allow_remote:
+        check_loopback(args.url)
+    results, wall = asyncio.run(run_load(args))
+    rep = report(results, wall, args)
+    print_report(rep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=2)
+    return 0 if rep["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    add_args(p)
+    sys.exit(run_cli(p.parse_args()))
