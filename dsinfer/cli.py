@@ -24,14 +24,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     return EngineConfig(
-        model=model, dtype=args.dtype, device=args.device, seed=args.seed,
-        cache=CacheConfig(block_size=args.block_size,
-                          kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),
-                          num_blocks=args.num_kv_blocks,
-                          enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len),
+        model=model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),
+            num_blocks=args.num_kv_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+        ),
     )
 
 
@@ -40,8 +47,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dsinfer.sampling import SamplingParams
 
     engine = LLMEngine(engine_config(args, args.model))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed_sample)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed_sample,
+    )
     if args.chat:
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
@@ -91,15 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(seed_sample=None)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
-    s.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
-                   help="model to serve (repeatable); default: the embedded smollm2")
+    s.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]PATH",
+        help="model to serve (repeatable); default: the embedded smollm2",
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     s.add_argument("--max-queued-requests", type=int, default=256)
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    s.add_argument("--shutdown-timeout", type=int, default=30,
-                   help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=30,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -116,8 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if getattr(args, "cmd", None) == "generate":
         args.seed_sample = args.seed
     try:

@@ -107,8 +107,18 @@ def parse_memory(text: str | int) -> int:
     if isinstance(text, int):
         return text
     s = text.strip().lower().replace(" ", "")
-    units = {"gib": 1024**3, "mib": 1024**2, "kib": 1024, "gb": 10**9, "mb": 10**6, "kb": 10**3,
-             "g": 1024**3, "m": 1024**2, "k": 1024, "b": 1}
+    units = {
+        "gib": 1024**3,
+        "mib": 1024**2,
+        "kib": 1024,
+        "gb": 10**9,
+        "mb": 10**6,
+        "kb": 10**3,
+        "g": 1024**3,
+        "m": 1024**2,
+        "k": 1024,
+        "b": 1,
+    }
     for suffix, mult in units.items():
         if s.endswith(suffix):
             try:

@@ -42,21 +42,38 @@ class SamplingParams:
             f"must be >= 0, got {self.max_tokens}",
         )
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
-        _check(0.0 <= self.temperature <= 2.0 or self.temperature == 0, "temperature",
-               f"must be in [0, 2], got {self.temperature}")
+        _check(
+            0.0 <= self.temperature <= 2.0 or self.temperature == 0,
+            "temperature",
+            f"must be in [0, 2], got {self.temperature}",
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 or >= 1, got {self.top_k}")
+        _check(
+            self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 or >= 1, got {self.top_k}"
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty",
-               f"must be > 0, got {self.repetition_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-               f"must be in [-2, 2], got {self.frequency_penalty}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
-               f"must be in [-2, 2], got {self.presence_penalty}")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            _check(v is None or 0 <= v <= _MAX_LOGPROBS, name,
-                   f"must be between 0 and {_MAX_LOGPROBS}, got {v}")
+            _check(
+                v is None or 0 <= v <= _MAX_LOGPROBS,
+                name,
+                f"must be between 0 and {_MAX_LOGPROBS}, got {v}",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -17,16 +17,35 @@ DSINFER = [sys.executable, "-m", "dsinfer.cli"]
 
 
 def test_generate_chat_prints_answer():
-    r = subprocess.run([*DSINFER, "generate", "--model", "smollm2", "--prompt",
-                        "What is the capital of France?", "--chat", "--max-tokens", "20",
-                        "--kv-cache-memory", "64MiB"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            *DSINFER,
+            "generate",
+            "--model",
+            "smollm2",
+            "--prompt",
+            "What is the capital of France?",
+            "--chat",
+            "--max-tokens",
+            "20",
+            "--kv-cache-memory",
+            "64MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "The capital of France is Paris."
 
 
 def test_bad_model_is_a_message_not_a_traceback(tmp_path):
-    r = subprocess.run([*DSINFER, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [*DSINFER, "generate", "--model", str(tmp_path / "nope"), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert "not found" in r.stderr and "Traceback" not in r.stderr
 
@@ -34,9 +53,23 @@ def test_bad_model_is_a_message_not_a_traceback(tmp_path):
 def test_serve_auth_and_graceful_sigterm():
     port = free_port()
     proc = subprocess.Popen(
-        [*DSINFER, "serve", "--port", str(port), "--api-key", "k1", "--dtype", "float32",
-         "--kv-cache-memory", "64MiB"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+        [
+            *DSINFER,
+            "serve",
+            "--port",
+            str(port),
+            "--api-key",
+            "k1",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "64MiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=os.environ.copy(),
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -50,16 +83,21 @@ def test_serve_auth_and_graceful_sigterm():
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.3)
         assert httpx.get(f"{url}/v1/models").status_code == 401
-        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k2"}
-                         ).status_code == 401
+        assert (
+            httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 401
+        )
         h = {"Authorization": "Bearer k1"}
         assert httpx.get(f"{url}/v1/models", headers=h).status_code == 200
         # An in-flight request survives SIGTERM; the server then exits on its own.
         result: dict = {}
 
         def long_request() -> None:
-            r = httpx.post(f"{url}/v1/completions", headers=h, timeout=60,
-                           json={"prompt": "Once", "max_tokens": 60, "ignore_eos": True})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                headers=h,
+                timeout=60,
+                json={"prompt": "Once", "max_tokens": 60, "ignore_eos": True},
+            )
             result["status"] = r.status_code
             result["tokens"] = r.json()["usage"]["completion_tokens"]
 

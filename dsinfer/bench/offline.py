@@ -71,8 +71,12 @@ def _transformers(args: argparse.Namespace, dtype: str) -> dict:
         tok.pad_token = tok.eos_token
     load = time.perf_counter() - t0
     prompts = make_prompts(args.batch, args.input_len)
-    gen = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
-               pad_token_id=tok.pad_token_id)
+    gen = dict(
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+    )
 
     def run(ps: list[str]) -> float:
         enc = tok(ps, return_tensors="pt", padding=True)
@@ -82,8 +86,12 @@ def _transformers(args: argparse.Namespace, dtype: str) -> dict:
         return time.perf_counter() - t
 
     run(prompts[:1])  # warm-up
-    return {"load_s": load, "single_s": run(prompts[:1]), "batch_s": run(prompts),
-            "prompt_tokens": float(len(tok(prompts[0]).input_ids))}
+    return {
+        "load_s": load,
+        "single_s": run(prompts[:1]),
+        "batch_s": run(prompts),
+        "prompt_tokens": float(len(tok(prompts[0]).input_ids)),
+    }
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -103,30 +111,52 @@ def run_cli(args: argparse.Namespace) -> int:
     rows = []
     for dtype in args.dtypes.split(","):
         for engine in args.engines.split(","):
-            cmd = [sys.executable, "-m", "dsinfer.cli", "bench", "offline", "--worker",
-                   f"{engine}:{dtype}", "--model", args.model, "--batch", str(args.batch),
-                   "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "dsinfer.cli",
+                "bench",
+                "offline",
+                "--worker",
+                f"{engine}:{dtype}",
+                "--model",
+                args.model,
+                "--batch",
+                str(args.batch),
+                "--input-len",
+                str(args.input_len),
+                "--output-len",
+                str(args.output_len),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 print(f"{engine} {dtype}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
                 return 1
             r = json.loads(line[7:])
-            r.update(engine=engine, dtype=dtype,
-                     single_tok_s=args.output_len / r["single_s"],
-                     batch_tok_s=args.batch * args.output_len / r["batch_s"])
+            r.update(
+                engine=engine,
+                dtype=dtype,
+                single_tok_s=args.output_len / r["single_s"],
+                batch_tok_s=args.batch * args.output_len / r["batch_s"],
+            )
             rows.append(r)
-            print(f"{engine:13s} {dtype:9s} single {r['single_tok_s']:7.1f} tok/s   "
-                  f"batch{args.batch} {r['batch_tok_s']:7.1f} tok/s   "
-                  f"peak RSS {r['peak_rss_mib']:7.0f} MiB   load {r['load_s']:.1f}s", flush=True)
+            print(
+                f"{engine:13s} {dtype:9s} single {r['single_tok_s']:7.1f} tok/s   "
+                f"batch{args.batch} {r['batch_tok_s']:7.1f} tok/s   "
+                f"peak RSS {r['peak_rss_mib']:7.0f} MiB   load {r['load_s']:.1f}s",
+                flush=True,
+            )
     by = {(r["engine"], r["dtype"]): r for r in rows}
     for dtype in args.dtypes.split(","):
         a, b = by.get(("dsinfer", dtype)), by.get(("transformers", dtype))
         if a and b:
-            print(f"ratio dsinfer/transformers {dtype}: single "
-                  f"{a['single_tok_s'] / b['single_tok_s']:.2f}x, batch "
-                  f"{a['batch_tok_s'] / b['batch_tok_s']:.2f}x, peak RSS "
-                  f"{a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x")
+            print(
+                f"ratio dsinfer/transformers {dtype}: single "
+                f"{a['single_tok_s'] / b['single_tok_s']:.2f}x, batch "
+                f"{a['batch_tok_s'] / b['batch_tok_s']:.2f}x, peak RSS "
+                f"{a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -18,11 +18,13 @@ from urllib.parse import urlparse
 
 from dsinfer.bench.stats import summarize
 
-WORDS = ("time year people way day man thing woman life child world school state family "
-         "student group country problem hand part place case week company system program "
-         "question work government number night point home water room mother area money "
-         "story fact month lot right study book eye job word business issue side kind head "
-         "house service friend father power hour game line end member law car city").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family "
+    "student group country problem hand part place case week company system program "
+    "question work government number night point home water room mother area money "
+    "story fact month lot right study book eye job word business issue side kind head "
+    "house service friend father power hour game line end member law car city"
+).split()
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -31,8 +33,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--duration", type=float, default=None,
-                   help="run for this many seconds at constant concurrency instead")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="run for this many seconds at constant concurrency instead",
+    )
     p.add_argument("--input-len", type=int, default=128, help="prompt length in words (≈tokens)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -62,8 +68,14 @@ def check_loopback(url: str) -> None:
 
 
 async def one_request(client, args: argparse.Namespace, prompt: str) -> Result:  # noqa: ANN001
-    body = {"prompt": prompt, "max_tokens": args.output_len, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": args.output_len,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.model:
         body["model"] = args.model
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -72,8 +84,9 @@ async def one_request(client, args: argparse.Namespace, prompt: str) -> Result: 
     last = None
     chunks = 0
     try:
-        async with client.stream("POST", f"{args.url}/v1/completions", json=body,
-                                 headers=headers) as r:
+        async with client.stream(
+            "POST", f"{args.url}/v1/completions", json=body, headers=headers
+        ) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
@@ -113,8 +126,10 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Result], float]:
             return time.perf_counter() < stop_at
         return issued < args.num_requests
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0),
-                                 limits=httpx.Limits(max_connections=args.concurrency + 4)) as c:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=args.concurrency + 4)
+    ) as c:
+
         async def worker() -> None:
             nonlocal issued
             while more():
@@ -131,10 +146,16 @@ def report(results: list[Result], wall: float, args: argparse.Namespace) -> dict
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     rep = {
-        "url": args.url, "concurrency": args.concurrency, "requests": len(results),
-        "completed": len(ok), "errors": len(results) - len(ok),
-        "input_len": args.input_len, "output_len": args.output_len, "wall_s": wall,
-        "request_throughput": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
+        "url": args.url,
+        "concurrency": args.concurrency,
+        "requests": len(results),
+        "completed": len(ok),
+        "errors": len(results) - len(ok),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "wall_s": wall,
+        "request_throughput": len(ok) / wall,
+        "output_tokens_per_s": out_tokens / wall,
         "ttft_s": summarize([r.ttft for r in ok]),
         "itl_s": summarize([x for r in ok for x in r.itls]),
         "e2e_s": summarize([r.e2e for r in ok]),
@@ -146,14 +167,20 @@ def report(results: list[Result], wall: float, args: argparse.Namespace) -> dict
 
 
 def print_report(rep: dict) -> None:
-    print(f"url {rep['url']}  concurrency {rep['concurrency']}  requests {rep['requests']}  "
-          f"errors {rep['errors']}  wall {rep['wall_s']:.1f}s")
-    print(f"throughput: {rep['request_throughput']:.2f} req/s, "
-          f"{rep['output_tokens_per_s']:.1f} output tok/s")
+    print(
+        f"url {rep['url']}  concurrency {rep['concurrency']}  requests {rep['requests']}  "
+        f"errors {rep['errors']}  wall {rep['wall_s']:.1f}s"
+    )
+    print(
+        f"throughput: {rep['request_throughput']:.2f} req/s, "
+        f"{rep['output_tokens_per_s']:.1f} output tok/s"
+    )
     for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
         s = rep[key]
-        print(f"{label:5s} ms  p50 {1e3 * s['p50']:8.1f}  p95 {1e3 * s['p95']:8.1f}  "
-              f"p99 {1e3 * s['p99']:8.1f}")
+        print(
+            f"{label:5s} ms  p50 {1e3 * s['p50']:8.1f}  p95 {1e3 * s['p95']:8.1f}  "
+            f"p99 {1e3 * s['p99']:8.1f}"
+        )
     print(f"E2E p99/p50: {rep['e2e_p99_over_p50']:.2f}")
     for e in rep["first_errors"]:
         print(f"error: {e}")

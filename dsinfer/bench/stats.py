@@ -15,6 +15,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(values: list[float]) -> dict[str, float]:
-    return {"mean": sum(values) / len(values) if values else float("nan"),
-            "p50": percentile(values, 50), "p95": percentile(values, 95),
-            "p99": percentile(values, 99)}
+    return {
+        "mean": sum(values) / len(values) if values else float("nan"),
+        "p50": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "p99": percentile(values, 99),
+    }

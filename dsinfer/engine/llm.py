@@ -117,6 +117,5 @@ def _fan_out(p: SamplingParams) -> list[SamplingParams]:
     if p.n == 1:
         return [p]
     return [
-        dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
-        for i in range(p.n)
+        dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i) for i in range(p.n)
     ]

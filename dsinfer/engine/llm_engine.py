@@ -82,8 +82,10 @@ class LLMEngine:
             )
         pool_tokens = self.pool.num_blocks * self.block_size
         if len(ids) + 1 > pool_tokens:
-            raise ValueError(f"the prompt needs {len(ids) + 1} KV slots but the whole KV pool holds "
-                             f"{pool_tokens}; raise --kv-cache-memory")
+            raise ValueError(
+                f"the prompt needs {len(ids) + 1} KV slots but the whole KV pool holds "
+                f"{pool_tokens}; raise --kv-cache-memory"
+            )
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.tokenizer.eos_token_ids, self.max_model_len)
         self.scheduler.add_request(req)
@@ -130,9 +132,7 @@ class LLMEngine:
             return None
         return self._make_output(tracked, u.new_token_ids, finished)
 
-    def _make_output(
-        self, tracked: _Tracked, new_ids: list[int], finished: bool
-    ) -> RequestOutput:
+    def _make_output(self, tracked: _Tracked, new_ids: list[int], finished: bool) -> RequestOutput:
         req = tracked.req
         params = req.params
         finish = req.status.value if finished else None

@@ -32,10 +32,14 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, bias)
 
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:
+def default_weight_loader(
+    param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None
+) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
-        raise ValueError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, "
-                         f"model expects {tuple(param.shape)}")
+        raise ValueError(
+            f"shape mismatch: checkpoint has {tuple(loaded.shape)}, "
+            f"model expects {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -77,8 +81,10 @@ class Linear(nn.Module):
         off, rows = self.shards[shard]
         dst = param.data.narrow(0, off, rows)
         if tuple(dst.shape) != tuple(loaded.shape):
-            raise ValueError(f"shape mismatch for shard {shard!r}: checkpoint has "
-                             f"{tuple(loaded.shape)}, model expects {tuple(dst.shape)}")
+            raise ValueError(
+                f"shape mismatch for shard {shard!r}: checkpoint has "
+                f"{tuple(loaded.shape)}, model expects {tuple(dst.shape)}"
+            )
         dst.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

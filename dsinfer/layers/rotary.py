@@ -28,7 +28,9 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
         return torch.where(medium, blended, scaled)
-    raise ValueError(f"unsupported rope_scaling type {rope.kind!r}; supported: default, linear, llama3")
+    raise ValueError(
+        f"unsupported rope_scaling type {rope.kind!r}; supported: default, linear, llama3"
+    )
 
 
 class RotaryEmbedding(nn.Module):

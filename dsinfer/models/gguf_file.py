@@ -17,7 +17,18 @@ from dsinfer.config import ModelConfig, RopeConfig
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _SUPPORTED_QTYPES = {
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
     "Q6_K",
 }
 _LAYER_NAMES = {
@@ -96,12 +107,16 @@ def iter_gguf_tensors(
     for t in reader.tensors:
         qname = t.tensor_type.name
         if qname not in _SUPPORTED_QTYPES:
-            raise ValueError(f"GGUF tensor {t.name} uses quantisation {qname}, which dsinfer "
-                             f"cannot dequantise; supported: {sorted(_SUPPORTED_QTYPES)}")
+            raise ValueError(
+                f"GGUF tensor {t.name} uses quantisation {qname}, which dsinfer "
+                f"cannot dequantise; supported: {sorted(_SUPPORTED_QTYPES)}"
+            )
         name = hf_name(t.name)
         if name is None:
-            raise ValueError(f"unexpected GGUF tensor {t.name!r}; this GGUF has tensors dsinfer "
-                             f"does not know for {cfg.architecture}")
+            raise ValueError(
+                f"unexpected GGUF tensor {t.name!r}; this GGUF has tensors dsinfer "
+                f"does not know for {cfg.architecture}"
+            )
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.ascontiguousarray(arr, dtype=np.float32)

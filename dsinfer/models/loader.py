@@ -7,12 +7,12 @@ plus one tensor, never two copies of the model.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-import importlib.util
 from pathlib import Path
 
 import gguf
@@ -49,8 +49,10 @@ def resolve_model_path(model: str) -> Path:
         return path
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"model {model!r} not found: give a Hugging Face directory, a .gguf "
-                         f"file, or one of {sorted(EMBEDDED_MODELS)}")
+        raise ValueError(
+            f"model {model!r} not found: give a Hugging Face directory, a .gguf "
+            f"file, or one of {sorted(EMBEDDED_MODELS)}"
+        )
     if path.is_dir() and not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json; is it a Hugging Face model directory?")
     if path.is_file() and path.suffix != ".gguf":
@@ -83,9 +85,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     expected: set[tuple[str, str | None]] = set()
-    for name, p in params.items():
+    for name in params:
         mod = model.get_submodule(name.rsplit(".", 1)[0])
-        shards = getattr(mod, "shards", {}) if name.endswith(".weight") or name.endswith(".bias") else {}
+        shards = (
+            getattr(mod, "shards", {}) if name.endswith(".weight") or name.endswith(".bias") else {}
+        )
         for shard in shards or [None]:
             expected.add((name, shard))
     tied = getattr(getattr(model, "lm_head", None), "tied", False)
@@ -115,8 +119,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     if unexpected or missing:
         raise ValueError(
             "checkpoint does not match the model: "
-            + (f"unexpected tensors {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}; " if unexpected else "")
-            + (f"missing tensors {missing[:8]}{'…' if len(missing) > 8 else ''}; " if missing else "")
+            + (
+                f"unexpected tensors {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}; "
+                if unexpected
+                else ""
+            )
+            + (
+                f"missing tensors {missing[:8]}{'…' if len(missing) > 8 else ''}; "
+                if missing
+                else ""
+            )
             + "check that config.json describes these weights"
         )
 
@@ -150,6 +162,7 @@ def load_model(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu
     else:
         load_weights(net, iter_safetensors(path))
     net.eval()
-    logger.info("loaded %s (%s, %s) in %.1fs", path, cfg.architecture, tdtype,
-                time.perf_counter() - t0)
+    logger.info(
+        "loaded %s (%s, %s) in %.1fs", path, cfg.architecture, tdtype, time.perf_counter() - t0
+    )
     return LoadedModel(net, cfg, path, tdtype)

@@ -53,8 +53,10 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported (no released DeepSeek model uses it)")
     if cfg.get("use_sliding_window"):
-        raise ValueError("Qwen2 sliding-window attention is not supported; set use_sliding_window "
-                         "false or use a model without it")
+        raise ValueError(
+            "Qwen2 sliding-window attention is not supported; set use_sliding_window "
+            "false or use a model without it"
+        )
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     is_qwen2 = arch == "Qwen2ForCausalLM"

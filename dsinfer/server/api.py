@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
@@ -37,14 +36,18 @@ class ServerSettings(BaseModel):
 async def read_json(request: Request, limit: int) -> Any:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise APIError(413, f"request body of {length} bytes exceeds the {limit}-byte limit",
-                       code="request_too_large")
+        raise APIError(
+            413,
+            f"request body of {length} bytes exceeds the {limit}-byte limit",
+            code="request_too_large",
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise APIError(413, f"request body exceeds the {limit}-byte limit",
-                           code="request_too_large")
+            raise APIError(
+                413, f"request body exceeds the {limit}-byte limit", code="request_too_large"
+            )
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
@@ -54,8 +57,9 @@ async def read_json(request: Request, limit: int) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise APIError(400, f"malformed JSON body: {e.msg} at line {e.lineno} column {e.colno}"
-                       ) from None
+        raise APIError(
+            400, f"malformed JSON body: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
@@ -71,8 +75,9 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         raise APIError(400, f"invalid '{where}': {err['msg']}", param=param) from None
 
 
-def build_app(models: dict[str, ServedModel], settings: ServerSettings,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+def build_app(
+    models: dict[str, ServedModel], settings: ServerSettings, metrics: ServerMetrics | None = None
+) -> FastAPI:
     app = FastAPI(title="dsinfer", version="0.1.0")
     metrics = metrics or ServerMetrics()
     app.state.models = models
@@ -88,8 +93,9 @@ def build_app(models: dict[str, ServedModel], settings: ServerSettings,
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error on %s", request.url.path)
         metrics.requests.inc(1, request.url.path, "500")
-        return JSONResponse(APIError(500, f"internal error: {exc}", "server_error").body(),
-                            status_code=500)
+        return JSONResponse(
+            APIError(500, f"internal error: {exc}", "server_error").body(), status_code=500
+        )
 
     def authorize(request: Request) -> None:
         if settings.api_key is None:
@@ -97,30 +103,44 @@ def build_app(models: dict[str, ServedModel], settings: ServerSettings,
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token, settings.api_key):
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer KEY'",
-                           "authentication_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer KEY'",
+                "authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     def pick(name: str | None) -> ServedModel:
         served = models.get(name or default_model)
         if served is None:
-            raise APIError(404, f"model {name!r} does not exist; available: "
-                           f"{', '.join(models)}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; available: {', '.join(models)}",
+                param="model",
+                code="model_not_found",
+            )
         if served.engine.dead is not None:
-            raise APIError(503, "the model's engine has stopped; see the server log",
-                           "server_error")
+            raise APIError(
+                503, "the model's engine has stopped; see the server log", "server_error"
+            )
         return served
 
     def admit(served: ServedModel) -> None:
         eng = served.engine
         queued = eng.num_pending - len(eng.engine.scheduler.running)
         if queued >= settings.max_queued_requests:
-            raise APIError(429, f"server busy: {queued} requests queued (limit "
-                           f"{settings.max_queued_requests}); retry shortly",
-                           "rate_limit_error", headers={"Retry-After": "1"})
+            raise APIError(
+                429,
+                f"server busy: {queued} requests queued (limit "
+                f"{settings.max_queued_requests}); retry shortly",
+                "rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
 
-    async def handle(request: Request, schema: type[BaseModel],
-                     run: Callable[..., Awaitable[Any]]) -> Any:
+    async def handle(
+        request: Request, schema: type[BaseModel], run: Callable[..., Awaitable[Any]]
+    ) -> Any:
         authorize(request)
         body = parse(schema, await read_json(request, settings.max_body_bytes))
         served = pick(body.model)
@@ -144,10 +164,20 @@ def build_app(models: dict[str, ServedModel], settings: ServerSettings,
     @app.get("/v1/models")
     async def _models(request: Request) -> dict:
         authorize(request)
-        return {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "dsinfer",
-             "max_model_len": m.max_model_len, "version": m.version}
-            for m in models.values()]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": m.name,
+                    "object": "model",
+                    "created": m.created,
+                    "owned_by": "dsinfer",
+                    "max_model_len": m.max_model_len,
+                    "version": m.version,
+                }
+                for m in models.values()
+            ],
+        }
 
     @app.get("/health")
     async def _health() -> JSONResponse:
@@ -188,4 +218,3 @@ def build_app(models: dict[str, ServedModel], settings: ServerSettings,
         return {"prompt": served.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     return app
-

@@ -132,8 +132,9 @@ class AsyncEngine:
                     self._deliver(out.request_id, out)
                 if self.on_step is not None:
                     self.on_step(self)
-                logger.debug("step %.1f ms, %d outputs", 1e3 * (time.perf_counter() - t0),
-                             len(outputs))
+                logger.debug(
+                    "step %.1f ms, %d outputs", 1e3 * (time.perf_counter() - t0), len(outputs)
+                )
         except BaseException as e:  # a dead engine must not hang its clients
             logger.exception("engine loop died")
             self.dead = e

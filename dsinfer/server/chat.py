@@ -27,7 +27,8 @@ def _prompt_ids(served: ServedModel, body: ChatCompletionRequest) -> list[int]:
     try:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         return served.tokenizer.encode_chat(
-            messages, add_generation_prompt=body.add_generation_prompt)
+            messages, add_generation_prompt=body.add_generation_prompt
+        )
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
 
@@ -37,8 +38,9 @@ async def chat_completion(
 ) -> Any:
     ids = _prompt_ids(served, body)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
+    requested = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     max_tokens = served.check_lengths(len(ids), requested, param)
     top = body.top_logprobs if body.top_logprobs is not None else 0
     try:
@@ -51,8 +53,9 @@ async def chat_completion(
     timing = Timing(metrics, served.name)
     if body.stream:
         gen = _stream(served, body, ids, all_params, rid, timing)
-        return StreamingResponse(gen, media_type="text/event-stream",
-                                 headers={"X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            gen, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"}
+        )
     return await until_disconnected(request, _full(served, body, ids, all_params, rid, timing))
 
 
@@ -66,52 +69,78 @@ async def _full(served, body, ids, all_params, rid, timing) -> dict:  # noqa: AN
         st.logprobs = c.logprobs or []
     timing.done()
     return {
-        "id": rid, "object": "chat.completion", "created": served.created,
+        "id": rid,
+        "object": "chat.completion",
+        "created": served.created,
         "model": served.name,
-        "choices": [{
-            "index": st.index,
-            "message": {"role": "assistant", "content": st.text},
-            "logprobs": chat_logprobs(served.tokenizer, st.logprobs) if body.logprobs else None,
-            "finish_reason": st.finish_reason,
-        } for st in choices],
+        "choices": [
+            {
+                "index": st.index,
+                "message": {"role": "assistant", "content": st.text},
+                "logprobs": chat_logprobs(served.tokenizer, st.logprobs) if body.logprobs else None,
+                "finish_reason": st.finish_reason,
+            }
+            for st in choices
+        ],
         "usage": _usage(len(ids), choices),
     }
 
 
 def _usage(n_prompt: int, choices: list[ChoiceState]) -> dict:
     n_out = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-            "total_tokens": n_prompt + n_out}
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
 async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        obj = {"id": rid, "object": "chat.completion.chunk", "created": served.created,
-               "model": served.name, "choices": choices}
+        obj = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": served.created,
+            "model": served.name,
+            "choices": choices,
+        }
         if body.stream_options and body.stream_options.include_usage:
             obj["usage"] = usage
         return sse(obj)
 
     states = [ChoiceState(i) for i in range(len(all_params))]
     for st in states:
-        yield chunk([{"index": st.index, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None}])
+        yield chunk(
+            [
+                {
+                    "index": st.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
     try:
         async for i, out in fan_out(served, ids, all_params, rid):
             c = out.outputs[0]
             timing.tokens(len(c.delta_token_ids))
             st = states[i]
             st.token_ids = c.token_ids
-            new_lps = (c.logprobs or [])[len(st.logprobs):]
+            new_lps = (c.logprobs or [])[len(st.logprobs) :]
             st.logprobs = c.logprobs or []
             if c.delta_text or new_lps:
                 lp = chat_logprobs(served.tokenizer, new_lps) if body.logprobs else None
-                yield chunk([{"index": i, "delta": {"content": c.delta_text}, "logprobs": lp,
-                              "finish_reason": None}])
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"content": c.delta_text},
+                            "logprobs": lp,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
             if out.finished:
                 st.finish_reason = c.finish_reason
-                yield chunk([{"index": i, "delta": {}, "logprobs": None,
-                              "finish_reason": c.finish_reason}])
+                yield chunk(
+                    [{"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}]
+                )
     except APIError as e:
         yield sse(e.body())
     except ValueError as e:

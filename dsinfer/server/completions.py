@@ -29,8 +29,7 @@ def _encode(served: ServedModel, prompt: str | list[int]) -> list[int]:
     vocab = served.tokenizer.vocab_size
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
-        raise APIError(400, f"prompt token ids {bad[:5]} are outside [0, {vocab})",
-                       param="prompt")
+        raise APIError(400, f"prompt token ids {bad[:5]} are outside [0, {vocab})", param="prompt")
     return list(prompt)
 
 
@@ -41,8 +40,9 @@ async def completion(
         raise APIError(400, "'suffix' is not supported", param="suffix")
     prompts = body.prompts()
     if body.stream and len(prompts) > 1:
-        raise APIError(400, "streaming takes one prompt; send a list without stream",
-                       param="prompt")
+        raise APIError(
+            400, "streaming takes one prompt; send a list without stream", param="prompt"
+        )
     jobs = []
     for p_index, prompt in enumerate(prompts):
         ids = _encode(served, prompt)
@@ -58,8 +58,9 @@ async def completion(
     timing = Timing(metrics, served.name)
     if body.stream:
         _, ids, all_params = jobs[0]
-        return StreamingResponse(_stream(served, body, ids, all_params, rid, timing),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(served, body, ids, all_params, rid, timing), media_type="text/event-stream"
+        )
     return await until_disconnected(request, _full(served, body, jobs, rid, timing))
 
 
@@ -92,25 +93,41 @@ async def _full(served, body, jobs, rid, timing) -> dict:  # noqa: ANN001
             text = st.text
             if body.echo:
                 text = served.tokenizer.decode(ids) + text
-            choices_out.append({
-                "index": len(choices_out), "text": text,
-                "logprobs": _choice_logprobs(served, body, ids, last[st.index], st),
-                "finish_reason": st.finish_reason,
-            })
+            choices_out.append(
+                {
+                    "index": len(choices_out),
+                    "text": text,
+                    "logprobs": _choice_logprobs(served, body, ids, last[st.index], st),
+                    "finish_reason": st.finish_reason,
+                }
+            )
             n_out += len(st.token_ids)
     timing.done()
-    return {"id": rid, "object": "text_completion", "created": served.created,
-            "model": served.name, "choices": choices_out,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                      "total_tokens": n_prompt + n_out}}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": served.created,
+        "model": served.name,
+        "choices": choices_out,
+        "usage": {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+        },
+    }
 
 
 async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        obj = {"id": rid, "object": "text_completion", "created": served.created,
-               "model": served.name, "choices": choices}
+        obj = {
+            "id": rid,
+            "object": "text_completion",
+            "created": served.created,
+            "model": served.name,
+            "choices": choices,
+        }
         if include_usage:
             obj["usage"] = usage
         return sse(obj)
@@ -119,24 +136,27 @@ async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[s
     if body.echo:
         echo_text = served.tokenizer.decode(ids)
         for st in states:
-            yield chunk([{"index": st.index, "text": echo_text, "logprobs": None,
-                          "finish_reason": None}])
+            yield chunk(
+                [{"index": st.index, "text": echo_text, "logprobs": None, "finish_reason": None}]
+            )
     try:
         async for i, out in fan_out(served, ids, all_params, rid):
             c = out.outputs[0]
             timing.tokens(len(c.delta_token_ids))
             st = states[i]
-            new_lps = (c.logprobs or [])[len(st.logprobs):]
+            new_lps = (c.logprobs or [])[len(st.logprobs) :]
             st.logprobs, st.token_ids = c.logprobs or [], c.token_ids
             if c.delta_text or new_lps:
                 lp = None
                 if body.logprobs is not None:
                     lp = completion_logprobs(served.tokenizer, [(e.token_id, e) for e in new_lps])
-                yield chunk([{"index": i, "text": c.delta_text, "logprobs": lp,
-                              "finish_reason": None}])
+                yield chunk(
+                    [{"index": i, "text": c.delta_text, "logprobs": lp, "finish_reason": None}]
+                )
             if out.finished:
-                yield chunk([{"index": i, "text": "", "logprobs": None,
-                              "finish_reason": c.finish_reason}])
+                yield chunk(
+                    [{"index": i, "text": "", "logprobs": None, "finish_reason": c.finish_reason}]
+                )
     except APIError as e:
         yield sse(e.body())
     except ValueError as e:
@@ -144,6 +164,12 @@ async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[s
     timing.done()
     if include_usage:
         n_out = sum(len(s.token_ids) for s in states)
-        yield chunk([], {"prompt_tokens": len(ids), "completion_tokens": n_out,
-                         "total_tokens": len(ids) + n_out})
+        yield chunk(
+            [],
+            {
+                "prompt_tokens": len(ids),
+                "completion_tokens": n_out,
+                "total_tokens": len(ids) + n_out,
+            },
+        )
     yield "data: [DONE]\n\n"

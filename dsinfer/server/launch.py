@@ -19,7 +19,7 @@ logger = logging.getLogger("dsinfer.serve")
 
 
 def parse_model_spec(spec: str) -> tuple[str, str]:
-    """"NAME=PATH" or "PATH" (the name is then the file or directory stem)."""
+    """ "NAME=PATH" or "PATH" (the name is then the file or directory stem)."""
     if "=" in spec:
         name, path = spec.split("=", 1)
         if not name or not path:
@@ -40,15 +40,19 @@ def load_served_models(args: argparse.Namespace) -> dict[str, ServedModel]:
     models = {}
     for name, path in specs:
         engine = LLMEngine(engine_config(args, path))
-        models[name] = ServedModel(name, AsyncEngine(engine), engine.tokenizer,
-                                   engine.max_model_len)
+        models[name] = ServedModel(
+            name, AsyncEngine(engine), engine.tokenizer, engine.max_model_len
+        )
     return models
 
 
 def serve(args: argparse.Namespace) -> int:
     models = load_served_models(args)
-    settings = ServerSettings(api_key=args.api_key, max_queued_requests=args.max_queued_requests,
-                              max_body_bytes=args.max_body_bytes)
+    settings = ServerSettings(
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        max_body_bytes=args.max_body_bytes,
+    )
     app = build_app(models, settings)
 
     @app.on_event("shutdown")
@@ -58,13 +62,21 @@ def serve(args: argparse.Namespace) -> int:
 
     url = f"http://{args.host}:{args.port}"
     first = next(iter(models))
-    print(f"dsinfer: serving {', '.join(models)} at {url}/v1\n"
-          f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{first}\", \"messages\": [{{\"role\": \"user\", "
-          f"\"content\": \"What is the capital of France?\"}}]}}'", flush=True)
+    print(
+        f"dsinfer: serving {', '.join(models)} at {url}/v1\n"
+        f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{first}", "messages": [{{"role": "user", '
+        f'"content": "What is the capital of France?"}}]}}\'',
+        flush=True,
+    )
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal to the handler
     # that was installed before it: make that one a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
     return 0

@@ -6,8 +6,24 @@ import bisect
 import threading
 from collections import defaultdict
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
@@ -46,8 +62,13 @@ class Gauge(Counter):
 
 
 class Histogram:
-    def __init__(self, name: str, help_: str, buckets: tuple[float, ...] = LATENCY_BUCKETS,
-                 labels: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        help_: str,
+        buckets: tuple[float, ...] = LATENCY_BUCKETS,
+        labels: tuple[str, ...] = (),
+    ) -> None:
         self.name, self.help, self.buckets, self.label_names = name, help_, buckets, labels
         self._data: dict[tuple[str, ...], list[float]] = {}
         self._lock = threading.Lock()
@@ -76,9 +97,12 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         m = ("model",)
-        self.requests = Counter("dsinfer_requests_total", "HTTP requests by endpoint and status",
-                                ("endpoint", "status"))
-        self.ttft = Histogram("dsinfer_time_to_first_token_seconds", "Time to first token", labels=m)
+        self.requests = Counter(
+            "dsinfer_requests_total", "HTTP requests by endpoint and status", ("endpoint", "status")
+        )
+        self.ttft = Histogram(
+            "dsinfer_time_to_first_token_seconds", "Time to first token", labels=m
+        )
         self.itl = Histogram("dsinfer_inter_token_latency_seconds", "Time between tokens", labels=m)
         self.e2e = Histogram("dsinfer_e2e_request_latency_seconds", "End-to-end latency", labels=m)
         self.prompt_tokens = Counter("dsinfer_prompt_tokens_total", "Prompt tokens", m)

@@ -18,17 +18,34 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 class APIError(Exception):
     """An error with an HTTP status and an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code)
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class StreamOptions(BaseModel):
@@ -64,15 +81,25 @@ class _Common(BaseModel):
             raise ValueError("at most 8 stop sequences are allowed")
         return stops
 
-    def sampling(self, max_tokens: int | None, logprobs: int | None,
-                 prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         return SamplingParams(
-            n=1, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            n=1,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            seed=self.seed, stop=list(self.stop or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            seed=self.seed,
+            stop=list(self.stop or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -97,8 +124,10 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text":
-                raise ValueError(f"content part type {part.get('type')!r} is not supported; "
-                                 "this model reads text only")
+                raise ValueError(
+                    f"content part type {part.get('type')!r} is not supported; "
+                    "this model reads text only"
+                )
             parts.append(str(part.get("text", "")))
         return "".join(parts)
 
@@ -144,4 +173,3 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
-

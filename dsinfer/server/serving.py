@@ -7,8 +7,8 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -35,18 +35,25 @@ class ServedModel:
         if n_prompt == 0:
             raise APIError(400, "the prompt is empty: send at least one token", param="prompt")
         if n_prompt >= self.max_model_len:
-            raise APIError(400, f"this model's maximum context length is {self.max_model_len} "
-                           f"tokens, but the prompt has {n_prompt} tokens; shorten it",
-                           param="messages" if param == "max_completion_tokens" else "prompt",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} "
+                f"tokens, but the prompt has {n_prompt} tokens; shorten it",
+                param="messages" if param == "max_completion_tokens" else "prompt",
+                code="context_length_exceeded",
+            )
         room = self.max_model_len - n_prompt
         if max_tokens is None:
             return room
         if max_tokens > room:
-            raise APIError(400, f"{param}={max_tokens} is too large: the prompt has {n_prompt} "
-                           f"tokens and this model's maximum context length is "
-                           f"{self.max_model_len}, so at most {room} can be generated",
-                           param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{param}={max_tokens} is too large: the prompt has {n_prompt} "
+                f"tokens and this model's maximum context length is "
+                f"{self.max_model_len}, so at most {room} can be generated",
+                param=param,
+                code="context_length_exceeded",
+            )
         return max_tokens
 
 
@@ -123,8 +130,10 @@ async def fan_out(
 def expand_n(params: SamplingParams, n: int) -> list[SamplingParams]:
     import dataclasses
 
-    return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
-            for i in range(n)]
+    return [
+        dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+        for i in range(n)
+    ]
 
 
 def token_text(tok: Tokenizer, tid: int) -> str:
@@ -136,14 +145,17 @@ def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprobs]) -> dict:
         s = token_text(tok, tid)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
-    return {"content": [
-        {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, v) for t, v in e.top]}
-        for e in lps
-    ]}
+    return {
+        "content": [
+            {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, v) for t, v in e.top]}
+            for e in lps
+        ]
+    }
 
 
-def completion_logprobs(tok: Tokenizer, entries: list[tuple[int, TokenLogprobs | None]],
-                        offset0: int = 0) -> dict:
+def completion_logprobs(
+    tok: Tokenizer, entries: list[tuple[int, TokenLogprobs | None]], offset0: int = 0
+) -> dict:
     tokens, lps, tops, offsets = [], [], [], []
     pos = offset0
     for tid, e in entries:

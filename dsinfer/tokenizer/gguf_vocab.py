@@ -31,16 +31,20 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence(
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
-    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported yet; use the model's Hugging "
-                     "Face directory (tokenizer.json) instead")
+    raise ValueError(
+        f"GGUF pre-tokenizer {pre!r} is not supported yet; use the model's Hugging "
+        "Face directory (tokenizer.json) instead"
+    )
 
 
 def from_gguf(path: Path) -> Tokenizer:
     reader = gguf.GGUFReader(str(path))
     kind = field_value(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
-                         "'gpt2'); use the model's Hugging Face directory instead")
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
+            "'gpt2'); use the model's Hugging Face directory instead"
+        )
     tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens")
     types: list[int] = field_value(reader, "tokenizer.ggml.token_type")
     merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
@@ -49,12 +53,18 @@ def from_gguf(path: Path) -> Tokenizer:
     backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre", "default"))
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True)
-         if ty == _CONTROL]
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == _CONTROL
+        ]
     )
     backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False)
-         for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED]
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == _USER_DEFINED
+        ]
     )
     bos = field_value(reader, "tokenizer.ggml.bos_token_id")
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")

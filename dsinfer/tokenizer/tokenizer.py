@@ -58,8 +58,10 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         if not self.chat_template:
-            raise ValueError("this model has no chat template; send a plain prompt to "
-                             "/v1/completions or LLM.generate instead")
+            raise ValueError(
+                "this model has no chat template; send a plain prompt to "
+                "/v1/completions or LLM.generate instead"
+            )
         return render_chat(
             self.chat_template,
             messages,

@@ -17,8 +17,10 @@ def num_blocks_for_budget(model: ModelConfig, cache: CacheConfig, dtype: torch.d
     per_block = model.kv_bytes_per_token(dtype) * cache.block_size
     n = cache.kv_cache_memory_bytes // per_block
     if n < 1:
-        raise ValueError(f"KV cache budget {cache.kv_cache_memory_bytes} bytes is smaller than one "
-                         f"block ({per_block} bytes); raise --kv-cache-memory")
+        raise ValueError(
+            f"KV cache budget {cache.kv_cache_memory_bytes} bytes is smaller than one "
+            f"block ({per_block} bytes); raise --kv-cache-memory"
+        )
     return int(n)
 
 
@@ -29,9 +31,17 @@ def allocate_kv_cache(
     n = num_blocks_for_budget(model, cache, dtype)
     shape = (n, cache.block_size, model.num_kv_heads, model.head_dim)
     caches = [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(model.num_layers)
     ]
-    logger.info("KV pool: %d blocks × %d tokens = %d tokens, %.1f MiB", n, cache.block_size,
-                n * cache.block_size, n * cache.block_size * model.kv_bytes_per_token(dtype) / 2**20)
+    logger.info(
+        "KV pool: %d blocks × %d tokens = %d tokens, %.1f MiB",
+        n,
+        cache.block_size,
+        n * cache.block_size,
+        n * cache.block_size * model.kv_bytes_per_token(dtype) / 2**20,
+    )
     return caches, n

@@ -31,12 +31,16 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplerState]) -> torch.T
             continue
         row = logits[i]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(st.prompt_token_ids + st.output_token_ids)),
-                                dtype=torch.int64, device=row.device)
+            seen = torch.tensor(
+                sorted(set(st.prompt_token_ids + st.output_token_ids)),
+                dtype=torch.int64,
+                device=row.device,
+            )
             if seen.numel():
                 vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                        vals * p.repetition_penalty)
+                row[seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
         if st.output_token_ids and (p.frequency_penalty or p.presence_penalty):
             counts = torch.bincount(
                 torch.tensor(st.output_token_ids, dtype=torch.int64, device=row.device),

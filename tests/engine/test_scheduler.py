@@ -13,7 +13,9 @@ from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 def _sched(num_blocks=16, block_size=4, max_seqs=8, budget=64) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks), block_size)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, 1000)
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, 1000
+    )
 
 
 def _fake_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
@@ -21,8 +23,12 @@ def _fake_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
 
 
 def _req(rid, n, max_tokens=3, **kw) -> Request:
-    return Request(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=max_tokens, **kw),
-                   eos_token_ids=frozenset({2}))
+    return Request(
+        rid,
+        list(range(10, 10 + n)),
+        SamplingParams(max_tokens=max_tokens, **kw),
+        eos_token_ids=frozenset({2}),
+    )
 
 
 def test_chunked_prefill_respects_budget_then_decodes():
@@ -30,7 +36,8 @@ def test_chunked_prefill_respects_budget_then_decodes():
     s.add_request(_req("a", 12))
     out = s.schedule()
     assert [(q.req_id, len(q.token_ids), q.start_pos, q.do_sample) for q in out.seqs] == [
-        ("a", 5, 0, False)]
+        ("a", 5, 0, False)
+    ]
     assert out.seqs[0].block_table == [0, 1]
     assert out.new_requests[0].req_id == "a"
     s.update(out, _fake_run(out))

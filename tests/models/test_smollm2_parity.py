@@ -41,10 +41,15 @@ def test_64_greedy_tokens_match_reference(smol_llm, hf_smol):
         ids = smol_llm.tokenizer.encode(prompt)
         with torch.inference_mode():
             gen = hf_smol.generate(
-                torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=None,
-                pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                torch.tensor([ids]),
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        ref = gen.sequences[0, len(ids):].tolist()
+        ref = gen.sequences[0, len(ids) :].tolist()
         ref_logits = torch.stack([lg[0] for lg in gen.logits])
         ours = out.outputs[0].token_ids
         assert len(ours) == 64
@@ -54,8 +59,9 @@ def test_64_greedy_tokens_match_reference(smol_llm, hf_smol):
 
 def test_perplexity_from_prompt_logprobs_matches_reference(smol_llm, hf_smol):
     ids = smol_llm.tokenizer.encode(PPL_TEXT)
-    out = smol_llm.generate({"prompt_token_ids": ids},
-                            SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    out = smol_llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=0, prompt_logprobs=0)
+    )[0]
     assert out.prompt_logprobs[0] is None
     lps = [e.logprob for e in out.prompt_logprobs[1:]]
     assert len(lps) == len(ids) - 1
@@ -69,7 +75,9 @@ def test_perplexity_from_prompt_logprobs_matches_reference(smol_llm, hf_smol):
 
 
 def test_chat_answers_paris(smol_llm):
-    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                        SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    out = smol_llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=40),
+    )[0].outputs[0]
     assert out.text == "The capital of France is Paris."
     assert out.finish_reason == "stop"

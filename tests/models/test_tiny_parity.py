@@ -29,9 +29,19 @@ def _tokenizer_files(path) -> None:  # noqa: ANN001
 CASES = {
     "llama-gqa-untied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
-    "llama3-rope": ("llama", dict(num_key_value_heads=2, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64})),
+    "llama3-rope": (
+        "llama",
+        dict(
+            num_key_value_heads=2,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "qwen2-tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen2-untied": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=False)),
 }
@@ -42,8 +52,15 @@ def tiny(request, tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     family, extra = CASES[request.param]
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    )
     torch.manual_seed(hash(request.param) % 1000)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, **extra))
@@ -51,7 +68,11 @@ def tiny(request, tmp_path_factory):
         model = Qwen2ForCausalLM(Qwen2Config(**common, **extra))
         with torch.no_grad():  # random init leaves biases at zero: make them count
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.5)
     model.eval()
     path = tmp_path_factory.mktemp(request.param)
@@ -76,14 +97,22 @@ def test_greedy_matches_batched(tiny):
     llm, ref = tiny
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    )
     for p, out in zip(prompts, outs, strict=True):
         with torch.inference_mode():
-            gen = ref.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False,
-                               eos_token_id=None, pad_token_id=0, output_logits=True,
-                               return_dict_in_generate=True)
-        want = gen.sequences[0, len(p):].tolist()
+            gen = ref.generate(
+                torch.tensor([p]),
+                max_new_tokens=20,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        want = gen.sequences[0, len(p) :].tolist()
         logits = torch.stack([lg[0] for lg in gen.logits])
         assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits)
     assert_pool_clean(llm.engine)

@@ -46,11 +46,14 @@ def running_server(app) -> Iterator[str]:  # noqa: ANN001
 
 @pytest.fixture(scope="package")
 def served() -> Iterator[ServedModel]:
-    engine = LLMEngine(EngineConfig(
-        model="smollm2", dtype="float32",
-        cache=CacheConfig(kv_cache_memory_bytes=128 * 1024**2),
-        scheduler=SchedulerConfig(max_num_seqs=8),
-    ))
+    engine = LLMEngine(
+        EngineConfig(
+            model="smollm2",
+            dtype="float32",
+            cache=CacheConfig(kv_cache_memory_bytes=128 * 1024**2),
+            scheduler=SchedulerConfig(max_num_seqs=8),
+        )
+    )
     model = ServedModel("smollm2", AsyncEngine(engine), engine.tokenizer, engine.max_model_len)
     yield model
     model.engine.shutdown()
@@ -75,10 +78,15 @@ def wait_idle(served: ServedModel, timeout: float = 10.0) -> None:
     eng = served.engine.engine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (not eng.has_unfinished_requests() and eng.pool.num_used == 0
-                and served.engine.num_pending == 0):
+        if (
+            not eng.has_unfinished_requests()
+            and eng.pool.num_used == 0
+            and served.engine.num_pending == 0
+        ):
             eng.check_integrity()
             return
         time.sleep(0.05)
-    raise AssertionError(f"engine not idle: {eng.pool.num_used} blocks used, "
-                         f"{eng.num_unfinished} requests, {served.engine.num_pending} pending")
+    raise AssertionError(
+        f"engine not idle: {eng.pool.num_used} blocks used, "
+        f"{eng.num_unfinished} requests, {served.engine.num_pending} pending"
+    )

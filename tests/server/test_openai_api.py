@@ -15,8 +15,7 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_chat_stream_equals_nonstream_equals_llm(client, served, smol_llm):
-    full = client.chat.completions.create(model="smollm2", messages=Q, temperature=0,
-                                          max_tokens=40)
+    full = client.chat.completions.create(model="smollm2", messages=Q, temperature=0, max_tokens=40)
     text = full.choices[0].message.content
     assert text == "The capital of France is Paris."
     assert full.choices[0].finish_reason == "stop"
@@ -26,9 +25,16 @@ def test_chat_stream_equals_nonstream_equals_llm(client, served, smol_llm):
     assert full.usage.completion_tokens == len(ref.outputs[0].token_ids)
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
 
-    chunks = list(client.chat.completions.create(
-        model="smollm2", messages=Q, temperature=0, max_tokens=40, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2",
+            messages=Q,
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
@@ -38,12 +44,16 @@ def test_chat_stream_equals_nonstream_equals_llm(client, served, smol_llm):
 
 
 def test_finish_reason_length_and_stop_in_streams(client, served):
-    full = client.chat.completions.create(model="smollm2", messages=Q, temperature=0,
-                                          max_completion_tokens=3)
+    full = client.chat.completions.create(
+        model="smollm2", messages=Q, temperature=0, max_completion_tokens=3
+    )
     assert full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 3
-    chunks = list(client.chat.completions.create(model="smollm2", messages=Q, temperature=0,
-                                                 max_tokens=40, stop=["Paris"], stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2", messages=Q, temperature=0, max_tokens=40, stop=["Paris"], stream=True
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "The capital of France is "
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -53,23 +63,29 @@ def test_finish_reason_length_and_stop_in_streams(client, served):
 def test_completions_stream_and_nonstream(client, served, smol_llm):
     prompt = "The quick brown fox"
     ref = smol_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
-    full = client.completions.create(model="smollm2", prompt=prompt, temperature=0,
-                                     max_tokens=12)
+    full = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=12)
     assert full.choices[0].text == ref.text
     assert full.choices[0].finish_reason == ref.finish_reason
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="smollm2", prompt=prompt, temperature=0, max_tokens=12, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="smollm2", prompt=prompt, temperature=0, max_tokens=12, stream=True
+        )
+        if c.choices
+    )
     assert streamed == ref.text
-    many = client.completions.create(model="smollm2", prompt=[prompt, "Water boils at"],
-                                     temperature=0, max_tokens=5)
+    many = client.completions.create(
+        model="smollm2", prompt=[prompt, "Water boils at"], temperature=0, max_tokens=5
+    )
     assert [c.index for c in many.choices] == [0, 1]
     wait_idle(served)
 
 
 def test_echo_logprobs_give_prompt_perplexity(client, served, smol_llm):
     text = "Paris is the capital and most populous city of France."
-    out = client.completions.create(model="smollm2", prompt=text, max_tokens=0, echo=True,
-                                    logprobs=1)
+    out = client.completions.create(
+        model="smollm2", prompt=text, max_tokens=0, echo=True, logprobs=1
+    )
     lps = out.choices[0].logprobs.token_logprobs
     assert lps[0] is None and len(lps) == out.usage.prompt_tokens
     assert out.choices[0].text == text
@@ -82,16 +98,20 @@ def test_echo_logprobs_give_prompt_perplexity(client, served, smol_llm):
 
 
 def test_chat_logprobs_n_and_seed(client, served):
-    r = client.chat.completions.create(model="smollm2", messages=Q, temperature=0, max_tokens=5,
-                                       logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model="smollm2", messages=Q, temperature=0, max_tokens=5, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
-    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
-               for c in content)
-    a = client.chat.completions.create(model="smollm2", messages=Q, temperature=1.0, n=3,
-                                       seed=7, max_tokens=8)
-    b = client.chat.completions.create(model="smollm2", messages=Q, temperature=1.0, n=3,
-                                       seed=7, max_tokens=8)
+    assert all(
+        len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content
+    )
+    a = client.chat.completions.create(
+        model="smollm2", messages=Q, temperature=1.0, n=3, seed=7, max_tokens=8
+    )
+    b = client.chat.completions.create(
+        model="smollm2", messages=Q, temperature=1.0, n=3, seed=7, max_tokens=8
+    )
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     assert len(a.choices) == 3
     wait_idle(served)
@@ -99,15 +119,30 @@ def test_chat_logprobs_n_and_seed(client, served):
 
 def test_sixteen_concurrent_streams(client, served, smol_llm):
     prompts = [f"Write one sentence about the number {i}." for i in range(16)]
-    want = [o.outputs[0].text for o in smol_llm.generate(
-        [{"prompt_token_ids": smol_llm.tokenizer.encode_chat([{"role": "user", "content": p}])}
-         for p in prompts], SamplingParams(temperature=0, max_tokens=24))]
+    want = [
+        o.outputs[0].text
+        for o in smol_llm.generate(
+            [
+                {
+                    "prompt_token_ids": smol_llm.tokenizer.encode_chat(
+                        [{"role": "user", "content": p}]
+                    )
+                }
+                for p in prompts
+            ],
+            SamplingParams(temperature=0, max_tokens=24),
+        )
+    ]
     got: dict[int, str] = {}
 
     def run(i: int) -> None:
         stream = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": prompts[i]}], temperature=0,
-            max_tokens=24, stream=True)
+            model="smollm2",
+            messages=[{"role": "user", "content": prompts[i]}],
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+        )
         got[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
@@ -123,12 +158,20 @@ def test_sixteen_concurrent_streams(client, served, smol_llm):
 
 def test_disconnecting_clients_free_their_blocks(base_url, served):
     def run() -> None:
-        with httpx.Client(timeout=60) as http, http.stream(
-            "POST", f"{base_url}/v1/completions",
-            headers={"Authorization": f"Bearer {API_KEY}"},
-            json={"prompt": "Tell me a very long story.", "max_tokens": 400, "stream": True,
-                  "ignore_eos": True},
-        ) as r:
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream(
+                "POST",
+                f"{base_url}/v1/completions",
+                headers={"Authorization": f"Bearer {API_KEY}"},
+                json={
+                    "prompt": "Tell me a very long story.",
+                    "max_tokens": 400,
+                    "stream": True,
+                    "ignore_eos": True,
+                },
+            ) as r,
+        ):
             assert r.status_code == 200
             for i, _ in enumerate(r.iter_lines()):
                 if i >= 3:
@@ -153,12 +196,19 @@ def test_health_metrics_models_tokenize(base_url, served):
     back = httpx.post(f"{base_url}/detokenize", headers=h, json={"tokens": tok["tokens"]}).json()
     assert back["prompt"] == "人工智能"
     text = httpx.get(f"{base_url}/metrics").text
-    for name in ("dsinfer_time_to_first_token_seconds_bucket", "dsinfer_kv_blocks_free",
-                 "dsinfer_kv_cache_usage_perc", "dsinfer_prefix_cache_hit_rate",
-                 "dsinfer_num_preemptions_total", "dsinfer_prompt_tokens_total",
-                 "dsinfer_generation_tokens_total", 'dsinfer_requests_total{endpoint="'
-                 "/v1/chat/completions\",status=\"200\"}", "dsinfer_e2e_request_latency_seconds",
-                 "dsinfer_inter_token_latency_seconds", "dsinfer_num_requests_waiting"):
+    for name in (
+        "dsinfer_time_to_first_token_seconds_bucket",
+        "dsinfer_kv_blocks_free",
+        "dsinfer_kv_cache_usage_perc",
+        "dsinfer_prefix_cache_hit_rate",
+        "dsinfer_num_preemptions_total",
+        "dsinfer_prompt_tokens_total",
+        "dsinfer_generation_tokens_total",
+        'dsinfer_requests_total{endpoint="/v1/chat/completions",status="200"}',
+        "dsinfer_e2e_request_latency_seconds",
+        "dsinfer_inter_token_latency_seconds",
+        "dsinfer_num_requests_waiting",
+    ):
         assert name in text, name
 
 
@@ -191,8 +241,9 @@ BAD = [
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD)
-def test_bad_input_gets_openai_error_then_server_still_serves(base_url, client, path, body,
-                                                              status, param):
+def test_bad_input_gets_openai_error_then_server_still_serves(
+    base_url, client, path, body, status, param
+):
     h = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     if isinstance(body, bytes):
         r = httpx.post(f"{base_url}{path}", content=body, headers=h)

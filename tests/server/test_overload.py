@@ -15,10 +15,13 @@ def test_excess_requests_get_429_not_5xx(served):
     statuses: list[int] = []
     retry_after: list[str | None] = []
     with running_server(app) as url:
+
         def run() -> None:
-            r = httpx.post(f"{url}/v1/completions", timeout=120,
-                           json={"prompt": "Count to fifty:", "max_tokens": 48,
-                                 "ignore_eos": True})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                timeout=120,
+                json={"prompt": "Count to fifty:", "max_tokens": 48, "ignore_eos": True},
+            )
             statuses.append(r.status_code)
             if r.status_code == 429:
                 retry_after.append(r.headers.get("retry-after"))

@@ -12,8 +12,9 @@ from dsinfer.worker.sampler import Sampler, SamplerState, apply_penalties, filte
 
 
 def _state(seed=0, prompt=(), out=(), **kw) -> SamplerState:
-    return SamplerState(SamplingParams(**kw), list(prompt), torch.Generator().manual_seed(seed),
-                        list(out))
+    return SamplerState(
+        SamplingParams(**kw), list(prompt), torch.Generator().manual_seed(seed), list(out)
+    )
 
 
 LOGITS = torch.log(torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04]))
@@ -50,8 +51,11 @@ def test_same_seed_same_tokens_whatever_the_batch():
     sampler = Sampler()
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(4, 50, generator=g)
-    alone = [sampler(rows[:1].clone(), [st])[0][0]
-             for st in [_state(seed=42, temperature=0.9)] for _ in range(1)]
+    alone = [
+        sampler(rows[:1].clone(), [st])[0][0]
+        for st in [_state(seed=42, temperature=0.9)]
+        for _ in range(1)
+    ]
     seq_alone, seq_batch = [], []
     a, b = _state(seed=42, temperature=0.9), _state(seed=42, temperature=0.9)
     others = [_state(seed=s, temperature=1.0, top_p=0.8) for s in (1, 2, 3)]
@@ -97,9 +101,19 @@ def test_logprobs_top_n_and_rank():
     assert [t for t, _ in lp.top] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_k=0),
-                                dict(max_tokens=-1), dict(logprobs=21), dict(n=0),
-                                dict(min_p=1.5), dict(presence_penalty=3)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_k=0),
+        dict(max_tokens=-1),
+        dict(logprobs=21),
+        dict(n=0),
+        dict(min_p=1.5),
+        dict(presence_penalty=3),
+    ],
+)
 def test_invalid_params_name_the_field(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
