@@ -44,15 +44,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
         self.head_dim = head_dim
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KV, D], positions: [T] int64."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """Tables for one step, computed once and shared by every layer: [T, 1, D] each."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (q and k heads may be stacked together) → rotated, same shape."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

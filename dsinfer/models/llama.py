@@ -16,13 +16,14 @@ from dsinfer.layers.attention import AttentionMetadata, TorchPagedAttention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import RotaryEmbedding
+from dsinfer.layers.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, D]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.h, self.kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = Linear(
@@ -32,19 +33,18 @@ class LlamaAttention(nn.Module):
             shard_names=("q", "k", "v"),
         )
         self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
-        self.rotary = rotary
         self.attn = TorchPagedAttention(self.h, self.kv, self.d, self.d**-0.5)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: Rope, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2KV) * D]
-        q, k, v = qkv.split([self.h * self.d, self.kv * self.d, self.kv * self.d], dim=-1)
-        q = q.view(t, self.h, self.d)
-        k = k.view(t, self.kv, self.d)
-        v = v.view(t, self.kv, self.d)
-        q, k = self.rotary(positions, q, k)
+        qk_width = (self.h + self.kv) * self.d
+        # Rotate q and k heads together: one set of rotary ops per layer instead of two.
+        qk = apply_rotary(qkv[:, :qk_width].view(t, self.h + self.kv, self.d), *rope)
+        q, k = qk.split([self.h, self.kv], dim=1)  # [T, H, D], [T, KV, D]
+        v = qkv[:, qk_width:].view(t, self.kv, self.d)
         o = self.attn.forward(q, k, v, cache, meta)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
 
@@ -62,10 +62,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -73,12 +73,12 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
+        rope: Rope,
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, cache, meta)
+        h = self.self_attn(h, rope, cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -87,8 +87,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -118,9 +118,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] → final hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.cos_sin(positions, x.dtype)
         residual = None
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, cache, meta)
+            x, residual = layer(x, residual, rope, cache, meta)
         x, _ = self.model.norm(x, residual)
         return x
 

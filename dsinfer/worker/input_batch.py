@@ -32,7 +32,8 @@ def build_model_input(
     slot_mapping: list[int] = []
     last_rows: list[int] = []
     prefills: list[PrefillSeq] = []
-    decode_rows: list[list[int]] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
     for s in ordered:
         n = len(s.token_ids)
         end = s.start_pos + n
@@ -41,24 +42,24 @@ def build_model_input(
         pos.extend(range(s.start_pos, end))
         slot_mapping.extend(_slots(s.block_table, s.start_pos, end, block_size))
         last_rows.append(len(ids) - 1)
-        ctx = _slots(s.block_table, 0, end, block_size)
         if n == 1:
-            decode_rows.append(ctx)
+            decode_tables.append(s.block_table[: -(-end // block_size)])
+            decode_lens.append(end)
         else:
-            slots = torch.tensor(ctx, dtype=torch.int64, device=device)
+            slots = torch.tensor(_slots(s.block_table, 0, end, block_size), device=device)
             prefills.append(PrefillSeq(q_start, n, end, slots))
-    decode_slots = decode_mask = None
-    if decode_rows:
-        lmax = max(len(r) for r in decode_rows)
-        padded = [r + [0] * (lmax - len(r)) for r in decode_rows]
-        decode_slots = torch.tensor(padded, dtype=torch.int64, device=device)  # [B, Lmax]
-        lens = torch.tensor([len(r) for r in decode_rows], device=device)
-        mask = torch.arange(lmax, device=device).unsqueeze(0) >= lens.unsqueeze(1)
-        decode_mask = mask.view(len(decode_rows), 1, 1, lmax)  # broadcast over [B, KV, G, L]
+    decode_bt = decode_mask = None
+    if decode_tables:
+        nb = max(len(t) for t in decode_tables)
+        padded = [t + [0] * (nb - len(t)) for t in decode_tables]
+        decode_bt = torch.tensor(padded, dtype=torch.int64, device=device)  # [B, NBmax]
+        lens = torch.tensor(decode_lens, device=device)
+        mask = torch.arange(nb * block_size, device=device).unsqueeze(0) >= lens.unsqueeze(1)
+        decode_mask = mask.view(len(decode_tables), 1, 1, nb * block_size)  # over [B, KV, G, L]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-        num_decode=len(decode_rows),
-        decode_slots=decode_slots,
+        num_decode=len(decode_tables),
+        decode_block_tables=decode_bt,
         decode_mask=decode_mask,
         prefills=tuple(prefills),
     )

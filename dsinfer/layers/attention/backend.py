@@ -28,8 +28,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     num_decode: int
-    decode_slots: torch.Tensor | None  # [B, Lmax] int64 cache slots per decode sequence
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool, True where the key is padding
+    # Decodes gather whole blocks (one memcpy each) rather than single slots.
+    decode_block_tables: torch.Tensor | None  # [B, NBmax] int64, padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, NBmax * block_size] bool, True = padding
     prefills: tuple[PrefillSeq, ...]
 
 

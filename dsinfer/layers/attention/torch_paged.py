@@ -29,14 +29,14 @@ class TorchPagedAttention(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache = kv_cache  # [blocks, bs, KV, D]
         kc = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [blocks*bs, KV, D]
         vc = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decode:
-            out[: meta.num_decode] = self._decode(q[: meta.num_decode], kc, vc, meta)
+            out[: meta.num_decode] = self._decode(q[: meta.num_decode], k_cache, v_cache, meta)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.ctx_len == p.q_len:  # nothing cached before: use the fresh keys directly
@@ -49,12 +49,13 @@ class TorchPagedAttention(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
         b = q.shape[0]
         kv, g, d = self.num_kv_heads, self.group, self.head_dim
         qf = q.float().view(b, kv, g, d)  # [B, KV, G, D]
-        keys = kc[meta.decode_slots].float().permute(0, 2, 3, 1)  # [B, KV, D, L]
-        vals = vc[meta.decode_slots].float().transpose(1, 2)  # [B, KV, L, D]
+        bt = meta.decode_block_tables
+        keys = kc[bt].view(b, -1, kv, d).float().permute(0, 2, 3, 1)  # [B, KV, D, L]
+        vals = vc[bt].view(b, -1, kv, d).float().transpose(1, 2)  # [B, KV, L, D]
         scores = torch.matmul(qf, keys) * self.scale  # [B, KV, G, L]
         scores.masked_fill_(meta.decode_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
