@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import logging
 import random
 import socket
 import sys
@@ -193,6 +194,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise ValueError("--duration must be between 0 and 14400 seconds")
     if not args.allow_remote:
         check_loopback(args.url)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
     results, wall = asyncio.run(run_load(args))
     rep = report(results, wall, args)
     print_report(rep)

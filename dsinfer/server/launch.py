@@ -39,10 +39,10 @@ def load_served_models(args: argparse.Namespace) -> dict[str, ServedModel]:
         raise ValueError(f"model names must be unique, got {names}")
     models = {}
     for name, path in specs:
-        engine = LLMEngine(engine_config(args, path))
-        models[name] = ServedModel(
-            name, AsyncEngine(engine), engine.tokenizer, engine.max_model_len
-        )
+        config = engine_config(args, path)
+        runner = AsyncEngine(lambda config=config: LLMEngine(config))  # built on its own thread
+        engine = runner.engine
+        models[name] = ServedModel(name, runner, engine.tokenizer, engine.max_model_len)
     return models
 
 

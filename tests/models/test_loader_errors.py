@@ -17,8 +17,15 @@ from tests.models.test_tiny_parity import _tokenizer_files
 def ckpt(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     path = tmp_path_factory.mktemp("ck")
     LlamaForCausalLM(cfg).save_pretrained(path)
     _tokenizer_files(path)
@@ -52,7 +59,9 @@ def test_misshaped_tensor(ckpt, tmp_path):
         t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 32)
 
     bad = _copy(ckpt, tmp_path / "s", edit)
-    with pytest.raises(ValueError, match=r"k_proj.weight.*checkpoint has \(8, 32\).*expects \(16, 32\)"):
+    with pytest.raises(
+        ValueError, match=r"k_proj.weight.*checkpoint has \(8, 32\).*expects \(16, 32\)"
+    ):
         load_model(str(bad))
 
 
@@ -86,8 +95,10 @@ def test_sharded_checkpoint_with_index(ckpt, tmp_path):
     (d / "model.safetensors").unlink()
     names = sorted(tensors)
     half = len(names) // 2
-    shards = {"model-00001-of-00002.safetensors": names[:half],
-              "model-00002-of-00002.safetensors": names[half:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
     weight_map = {}
     for fname, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, str(d / fname), metadata={"format": "pt"})

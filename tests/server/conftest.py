@@ -46,15 +46,15 @@ def running_server(app) -> Iterator[str]:  # noqa: ANN001
 
 @pytest.fixture(scope="package")
 def served() -> Iterator[ServedModel]:
-    engine = LLMEngine(
-        EngineConfig(
-            model="smollm2",
-            dtype="float32",
-            cache=CacheConfig(kv_cache_memory_bytes=128 * 1024**2),
-            scheduler=SchedulerConfig(max_num_seqs=8),
-        )
+    config = EngineConfig(
+        model="smollm2",
+        dtype="float32",
+        cache=CacheConfig(kv_cache_memory_bytes=128 * 1024**2),
+        scheduler=SchedulerConfig(max_num_seqs=8),
     )
-    model = ServedModel("smollm2", AsyncEngine(engine), engine.tokenizer, engine.max_model_len)
+    runner = AsyncEngine(lambda: LLMEngine(config))  # built on the engine thread
+    engine = runner.engine
+    model = ServedModel("smollm2", runner, engine.tokenizer, engine.max_model_len)
     yield model
     model.engine.shutdown()
 
