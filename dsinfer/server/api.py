@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from dsinfer.server.async_engine import EngineDeadError
 from dsinfer.server.chat import chat_completion
 from dsinfer.server.completions import completion
 from dsinfer.server.metrics import ServerMetrics
@@ -149,6 +150,8 @@ def build_app(
             result = await run(served, body, metrics, request)
         except ValueError as e:  # the engine refused the request (e.g. larger than the KV pool)
             raise APIError(400, str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "server_error") from None
         if not isinstance(result, StreamingResponse):
             metrics.requests.inc(1, request.url.path, "200")
         return result

@@ -41,11 +41,7 @@ class AsyncEngine:
     so loading on the main thread and stepping on another halves single-stream speed.
     """
 
-    def __init__(
-        self,
-        engine: LLMEngine | Callable[[], LLMEngine],
-        on_step: Callable[[AsyncEngine], None] | None = None,
-    ):
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
         self._factory = engine if callable(engine) and not isinstance(engine, LLMEngine) else None
         self.engine: LLMEngine = None if self._factory else engine  # type: ignore[assignment]
         self._ready = threading.Event()
@@ -53,10 +49,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._counter = 0
-        self._lock = threading.Lock()
         self.dead: BaseException | None = None
-        self.on_step = on_step
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
         self._thread.start()
@@ -69,11 +62,6 @@ class AsyncEngine:
     def num_pending(self) -> int:
         """Requests accepted and not yet finished (queued, running, or about to be added)."""
         return len(self._streams)
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        with self._lock:
-            self._counter += 1
-            return f"{prefix}-{self._counter}"
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
@@ -155,8 +143,6 @@ class AsyncEngine:
                 self.steps += 1
                 for out in outputs:
                     self._deliver(out.request_id, out)
-                if self.on_step is not None:
-                    self.on_step(self)
                 logger.debug(
                     "step %.1f ms, %d outputs", 1e3 * (time.perf_counter() - t0), len(outputs)
                 )
