@@ -19,17 +19,14 @@ class ModelInput:
     last_rows: list[int]  # row of each seq's last token in the flat batch
 
 
-def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
 def build_model_input(
     seqs: list[ScheduledSeq], block_size: int, device: torch.device
 ) -> ModelInput:
     ordered = [s for s in seqs if len(s.token_ids) == 1] + [s for s in seqs if len(s.token_ids) > 1]
     ids: list[int] = []
     pos: list[int] = []
-    slot_mapping: list[int] = []
+    slot_blocks: list[int] = []
+    slot_offsets: list[int] = []
     last_rows: list[int] = []
     prefills: list[PrefillSeq] = []
     decode_tables: list[list[int]] = []
@@ -40,14 +37,16 @@ def build_model_input(
         q_start = len(ids)
         ids.extend(s.token_ids)
         pos.extend(range(s.start_pos, end))
-        slot_mapping.extend(_slots(s.block_table, s.start_pos, end, block_size))
+        slot_blocks.extend(s.block_table[p // block_size] for p in range(s.start_pos, end))
+        slot_offsets.extend(p % block_size for p in range(s.start_pos, end))
         last_rows.append(len(ids) - 1)
+        table = s.block_table[: -(-end // block_size)]
         if n == 1:
-            decode_tables.append(s.block_table[: -(-end // block_size)])
+            decode_tables.append(table)
             decode_lens.append(end)
         else:
-            slots = torch.tensor(_slots(s.block_table, 0, end, block_size), device=device)
-            prefills.append(PrefillSeq(q_start, n, end, slots))
+            bt = torch.tensor(table, dtype=torch.int64, device=device)
+            prefills.append(PrefillSeq(q_start, n, end, bt))
     decode_bt = decode_mask = None
     if decode_tables:
         nb = max(len(t) for t in decode_tables)
@@ -57,7 +56,8 @@ def build_model_input(
         mask = torch.arange(nb * block_size, device=device).unsqueeze(0) >= lens.unsqueeze(1)
         decode_mask = mask.view(len(decode_tables), 1, 1, nb * block_size)  # over [B, KV, G, L]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64, device=device),
+        slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64, device=device),
         num_decode=len(decode_tables),
         decode_block_tables=decode_bt,
         decode_mask=decode_mask,

@@ -1,4 +1,4 @@
-"""The preallocated KV pool (MHA layout): per layer, K and V of [num_blocks, block_size, KV, D]."""
+"""The preallocated KV pool (MHA layout): per layer, K and V of [num_blocks, KV, block_size, D]."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def allocate_kv_cache(
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """Allocate (and touch, so a too-large pool fails now, not mid-request) the whole pool."""
     n = num_blocks_for_budget(model, cache, dtype)
-    shape = (n, cache.block_size, model.num_kv_heads, model.head_dim)
+    shape = (n, model.num_kv_heads, cache.block_size, model.head_dim)
     caches = [
         (
             torch.zeros(shape, dtype=dtype, device=device),

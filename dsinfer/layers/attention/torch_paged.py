@@ -1,8 +1,9 @@
 """Reference paged attention in plain PyTorch (CPU and any device torch supports).
 
-Decodes are batched: their keys are gathered through the block tables into a padded
-[B, Lmax] layout and masked. Prefill chunks run one sequence each through SDPA with a causal
-mask offset by the tokens already cached. Softmax always runs in fp32.
+Decodes are batched: whole blocks are gathered through the block tables (one contiguous copy per
+block), scores are computed block-wise and masked past each sequence's length. Prefill chunks run
+one sequence each through SDPA with a causal mask offset by the tokens already cached. Softmax
+always runs in fp32.
 """
 
 from __future__ import annotations
@@ -29,45 +30,60 @@ class TorchPagedAttention(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache  # [blocks, bs, KV, D]
-        kc = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [blocks*bs, KV, D]
-        vc = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        k_cache, v_cache = kv_cache  # [blocks, KV, bs, D]
+        # Advanced indices around a slice: the indexed view is [T, KV, D], matching k and v.
+        k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
+        v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decode:
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], k_cache, v_cache, meta)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.ctx_len == p.q_len:  # nothing cached before: use the fresh keys directly
-                ks, vs = k[rows], v[rows]
+                ks = k[rows].transpose(0, 1)  # [KV, C, D]
+                vs = v[rows].transpose(0, 1)
             else:
-                ks, vs = kc[p.slots], vc[p.slots]
+                ks = self._gather_seq(k_cache, p.block_table, p.ctx_len)
+                vs = self._gather_seq(v_cache, p.block_table, p.ctx_len)
             out[rows] = self._prefill(q[rows], ks, vs, p.ctx_len - p.q_len)
         return out
+
+    def _gather_seq(self, cache: torch.Tensor, table: torch.Tensor, ctx: int) -> torch.Tensor:
+        blocks = _gather_blocks(cache, table).view(-1, *cache.shape[1:])  # [NB, KV, bs, D]
+        return blocks.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :ctx]
 
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        """Batched single-token attention, block by block.
+
+        The two matmuls run in the cache dtype (oneDNN accumulates bf16 products in fp32; an
+        upcast copy of every gathered block cost more than the matmuls); softmax is fp32.
+        """
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
         b = q.shape[0]
         kv, g, d = self.num_kv_heads, self.group, self.head_dim
-        qf = q.float().view(b, kv, g, d)  # [B, KV, G, D]
         bt = meta.decode_block_tables
-        keys = kc[bt].view(b, -1, kv, d).float().permute(0, 2, 3, 1)  # [B, KV, D, L]
-        vals = vc[bt].view(b, -1, kv, d).float().transpose(1, 2)  # [B, KV, L, D]
-        scores = torch.matmul(qf, keys) * self.scale  # [B, KV, G, L]
+        nb, bs = bt.shape[1], kc.shape[2]
+        qb = q.to(kc.dtype).view(b, 1, kv, g, d)  # broadcast over the block axis
+        keys = _gather_blocks(kc, bt).view(b, nb, kv, bs, d)  # [B, NB, KV, bs, D]
+        vals = _gather_blocks(vc, bt).view(b, nb, kv, bs, d)
+        scores = torch.matmul(qb, keys.transpose(-1, -2))  # [B, NB, KV, G, bs]
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(b, kv, g, nb * bs).float() * self.scale
         scores.masked_fill_(meta.decode_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, vals).view(b, kv * g, d).to(q.dtype)  # [B, H, D]
+        probs = torch.softmax(scores, dim=-1).to(vals.dtype)  # [B, KV, G, L]
+        probs = probs.view(b, kv, g, nb, bs).permute(0, 3, 1, 2, 4)  # [B, NB, KV, G, bs]
+        out = torch.matmul(probs, vals).float().sum(dim=1)  # [B, KV, G, D]
+        return out.reshape(b, kv * g, d).to(q.dtype)  # [B, H, D]
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_before: int
     ) -> torch.Tensor:
-        ql, ctx = q.shape[0], k.shape[0]
+        """q: [Q, H, D]; k, v: [KV, C, D] → [Q, H, D]."""
+        ql, ctx = q.shape[0], k.shape[1]
         qh = q.float().transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        kh = k.float().transpose(0, 1).unsqueeze(0)  # [1, KV, C, D]
-        vh = v.float().transpose(0, 1).unsqueeze(0)
+        kh = k.float().unsqueeze(0)  # [1, KV, C, D]
+        vh = v.float().unsqueeze(0)
         if num_before == 0:
             o = F.scaled_dot_product_attention(
                 qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
@@ -79,3 +95,9 @@ class TorchPagedAttention(AttentionBackend):
                 qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1
             )
         return o.squeeze(0).transpose(0, 1).to(q.dtype)  # [Q, H, D]
+
+
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows of whole blocks: index_select on a 2-D view runs a memcpy per block, several times
+    faster on CPU than advanced indexing (measured 14 vs 79 us for 160 bf16 blocks)."""
+    return cache.view(cache.shape[0], -1).index_select(0, table.reshape(-1))
