@@ -54,3 +54,38 @@ def agree_or_near_tie(engine: LLMEngine, prompt: list[int], a: list[int], b: lis
     logits = full_logits(engine, prompt + a[:i])[-1]
     top2 = torch.topk(logits, 2).values
     return float(top2[0] - top2[1]) <= 1e-3
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:  # noqa: ANN001
+    """The reference's n greedy tokens (EOS ignored) and its logits at each of those steps."""
+    gen = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return gen.sequences[0, len(ids) :].tolist(), torch.stack([lg[0] for lg in gen.logits])
+
+
+def tiny_llama_dir(path, num_layers: int = 2):  # noqa: ANN001, ANN201
+    """A tiny random Llama checkpoint with a word-level tokenizer, saved by transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.models.test_tiny_parity import _tokenizer_files
+
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    _tokenizer_files(path)
+    return path

@@ -10,26 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from dsinfer import LLM
 from dsinfer.models.loader import load_model
-from tests.models.test_tiny_parity import _tokenizer_files
+from tests.helpers import tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=320,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    path = tmp_path_factory.mktemp("ck")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    _tokenizer_files(path)
-    return path
+    return tiny_llama_dir(tmp_path_factory.mktemp("ck"))
 
 
 def _copy(src, dst, edit):  # noqa: ANN001

@@ -8,7 +8,12 @@ import torch
 
 from dsinfer import SamplingParams
 from tests.conftest import PROMPTS
-from tests.helpers import assert_pool_clean, full_logits, tokens_match_up_to_near_tie
+from tests.helpers import (
+    assert_pool_clean,
+    full_logits,
+    hf_greedy,
+    tokens_match_up_to_near_tie,
+)
 
 PPL_TEXT = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
@@ -39,18 +44,7 @@ def test_64_greedy_tokens_match_reference(smol_llm, hf_smol):
     outs = smol_llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = smol_llm.tokenizer.encode(prompt)
-        with torch.inference_mode():
-            gen = hf_smol.generate(
-                torch.tensor([ids]),
-                max_new_tokens=64,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        ref = gen.sequences[0, len(ids) :].tolist()
-        ref_logits = torch.stack([lg[0] for lg in gen.logits])
+        ref, ref_logits = hf_greedy(hf_smol, ids, 64)
         ours = out.outputs[0].token_ids
         assert len(ours) == 64
         assert tokens_match_up_to_near_tie(ours, ref, ref_logits), (prompt, ours, ref)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsinfer import LLM, SamplingParams
-from tests.helpers import assert_pool_clean, full_logits, tokens_match_up_to_near_tie
+from tests.helpers import assert_pool_clean, full_logits, hf_greedy, tokens_match_up_to_near_tie
 
 VOCAB = 320
 
@@ -102,18 +102,7 @@ def test_greedy_matches_batched(tiny):
         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
     )
     for p, out in zip(prompts, outs, strict=True):
-        with torch.inference_mode():
-            gen = ref.generate(
-                torch.tensor([p]),
-                max_new_tokens=20,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        want = gen.sequences[0, len(p) :].tolist()
-        logits = torch.stack([lg[0] for lg in gen.logits])
+        want, logits = hf_greedy(ref, p, 20)
         assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits)
     assert_pool_clean(llm.engine)
 

@@ -10,27 +10,13 @@ from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.serving import ServedModel
+from tests.helpers import tiny_llama_dir
 from tests.server.conftest import running_server
 
 
 @pytest.fixture()
 def tiny_dir(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.models.test_tiny_parity import _tokenizer_files
-
-    cfg = LlamaConfig(
-        vocab_size=320,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    _tokenizer_files(tmp_path)
-    return tmp_path
+    return tiny_llama_dir(tmp_path, num_layers=1)
 
 
 def test_dead_engine_gives_503_and_unhealthy(tiny_dir):
