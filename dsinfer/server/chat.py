@@ -10,6 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.protocol import APIError, ChatCompletionRequest
+from dsinfer.server.reasoning import ReasoningParser, split_reasoning
 from dsinfer.server.serving import (
     ChoiceState,
     ServedModel,
@@ -23,20 +24,29 @@ from dsinfer.server.serving import (
 )
 
 
-def _prompt_ids(served: ServedModel, body: ChatCompletionRequest) -> list[int]:
+def _render(served: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], str]:
+    """(prompt ids, prompt text) through the model's chat template."""
     try:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return served.tokenizer.encode_chat(
+        text = served.tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt
         )
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
+    return served.tokenizer.encode(text, add_special_tokens=False), text
+
+
+def _message(served: ServedModel, text: str, prompt_text: str) -> dict:
+    if not served.reasoning:
+        return {"role": "assistant", "content": text}
+    reasoning, content = split_reasoning(text, prompt_text[-32:])
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
 
 async def chat_completion(
     served: ServedModel, body: ChatCompletionRequest, metrics: ServerMetrics, request: Request
 ) -> Any:
-    ids = _prompt_ids(served, body)
+    ids, prompt_text = _render(served, body)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -52,14 +62,15 @@ async def chat_completion(
     metrics.prompt_tokens.inc(len(ids), served.name)
     timing = Timing(metrics, served.name)
     if body.stream:
-        gen = _stream(served, body, ids, all_params, rid, timing)
+        gen = _stream(served, body, ids, prompt_text, all_params, rid, timing)
         return StreamingResponse(
             gen, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"}
         )
-    return await until_disconnected(request, _full(served, body, ids, all_params, rid, timing))
+    job = _full(served, body, ids, prompt_text, all_params, rid, timing)
+    return await until_disconnected(request, job)
 
 
-async def _full(served, body, ids, all_params, rid, timing) -> dict:  # noqa: ANN001
+async def _full(served, body, ids, prompt_text, all_params, rid, timing) -> dict:  # noqa: ANN001
     choices = [ChoiceState(i) for i in range(len(all_params))]
     async for i, out in fan_out(served, ids, all_params, rid):
         c = out.outputs[0]
@@ -76,7 +87,7 @@ async def _full(served, body, ids, all_params, rid, timing) -> dict:  # noqa: AN
         "choices": [
             {
                 "index": st.index,
-                "message": {"role": "assistant", "content": st.text},
+                "message": _message(served, st.text, prompt_text),
                 "logprobs": chat_logprobs(served.tokenizer, st.logprobs) if body.logprobs else None,
                 "finish_reason": st.finish_reason,
             }
@@ -91,7 +102,7 @@ def _usage(n_prompt: int, choices: list[ChoiceState]) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
-async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
+async def _stream(served, body, ids, prompt_text, all_params, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         obj = {
             "id": rid,
@@ -105,6 +116,7 @@ async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[s
         return sse(obj)
 
     states = [ChoiceState(i) for i in range(len(all_params))]
+    parsers = [ReasoningParser(prompt_text[-32:]) for _ in states] if served.reasoning else None
     for st in states:
         yield chunk(
             [
@@ -124,13 +136,19 @@ async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[s
             st.token_ids = c.token_ids
             new_lps = (c.logprobs or [])[len(st.logprobs) :]
             st.logprobs = c.logprobs or []
-            if c.delta_text or new_lps:
+            delta: dict = {"content": c.delta_text}
+            if parsers is not None:
+                reasoning, content = parsers[i].feed(c.delta_text, final=out.finished)
+                delta = {"content": content} if content else {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+            if delta.get("content") or delta.get("reasoning_content") or new_lps:
                 lp = chat_logprobs(served.tokenizer, new_lps) if body.logprobs else None
                 yield chunk(
                     [
                         {
                             "index": i,
-                            "delta": {"content": c.delta_text},
+                            "delta": delta,
                             "logprobs": lp,
                             "finish_reason": None,
                         }

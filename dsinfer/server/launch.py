@@ -13,6 +13,7 @@ import uvicorn
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
+from dsinfer.server.reasoning import supports_reasoning
 from dsinfer.server.serving import ServedModel
 
 logger = logging.getLogger("dsinfer.serve")
@@ -42,7 +43,13 @@ def load_served_models(args: argparse.Namespace) -> dict[str, ServedModel]:
         config = engine_config(args, path)
         runner = AsyncEngine(lambda config=config: LLMEngine(config))  # built on its own thread
         engine = runner.engine
-        models[name] = ServedModel(name, runner, engine.tokenizer, engine.max_model_len)
+        models[name] = ServedModel(
+            name,
+            runner,
+            engine.tokenizer,
+            engine.max_model_len,
+            reasoning=supports_reasoning(engine.tokenizer),
+        )
     return models
 
 

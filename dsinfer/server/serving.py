@@ -28,6 +28,7 @@ class ServedModel:
     tokenizer: Tokenizer
     max_model_len: int
     version: str | None = None
+    reasoning: bool = False  # R1-style: split <think>…</think> into reasoning_content
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_lengths(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
