@@ -20,6 +20,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's own")
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="build from config.json with seeded random weights (speed/memory only)",
+    )
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -28,6 +34,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        tokenizer=args.tokenizer,
+        random_weights=args.random_weights,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),

@@ -100,6 +100,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
+    tokenizer: str | None = None  # default: the model's own files
+    random_weights: bool = False  # build from config.json with seeded random weights
 
 
 def parse_memory(text: str | int) -> int:

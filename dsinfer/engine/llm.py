@@ -19,7 +19,8 @@ class LLM:
 
     Keyword arguments: dtype ("auto" | "float32" | "bfloat16"), device, seed, block_size,
     kv_cache_memory ("512MiB"), num_blocks, enable_prefix_caching, max_num_seqs,
-    max_num_batched_tokens, max_model_len.
+    max_num_batched_tokens, max_model_len, tokenizer (another tokenizer source), random_weights
+    (build from config.json with seeded random weights, for speed and memory at real shapes).
     """
 
     def __init__(
@@ -35,12 +36,16 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 1024,
         max_model_len: int | None = None,
+        tokenizer: str | None = None,
+        random_weights: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
             dtype=dtype,
             device=device,
             seed=seed,
+            tokenizer=tokenizer,
+            random_weights=random_weights,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=parse_memory(kv_cache_memory),

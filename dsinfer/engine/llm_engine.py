@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from dsinfer.config import EngineConfig
 from dsinfer.device import resolve_device
@@ -15,7 +16,7 @@ from dsinfer.engine.kv_cache_manager import KVCacheManager
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dsinfer.engine.request import Request, RequestStatus
 from dsinfer.engine.scheduler import Scheduler, StepUpdate
-from dsinfer.models.loader import load_model
+from dsinfer.models.loader import EMBEDDED_MODELS, load_model, resolve_model_path
 from dsinfer.sampling import SamplingParams
 from dsinfer.tokenizer import Tokenizer, load_tokenizer
 from dsinfer.worker.executor import UniprocExecutor
@@ -34,11 +35,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = resolve_device(config.device)
-        loaded = load_model(config.model, config.dtype, str(device))
+        loaded = load_model(
+            config.model, config.dtype, str(device), config.random_weights, config.seed
+        )
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.model_path = loaded.path
-        self.tokenizer: Tokenizer = load_tokenizer(loaded.path)
+        self.tokenizer: Tokenizer = load_tokenizer(
+            _tokenizer_source(config.tokenizer) if config.tokenizer else loaded.path
+        )
+        self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
+        logger.info("KV cache: %d bytes per token (%s)", self.kv_bytes_per_token, loaded.dtype)
         self.executor = UniprocExecutor(loaded, config.cache, device, config.seed)
         self.block_size = config.cache.block_size
         self.max_model_len = min(
@@ -168,3 +175,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+
+
+def _tokenizer_source(name: str) -> Path:
+    """An embedded model's name, a tokenizer directory, or a GGUF file."""
+    return resolve_model_path(name) if name in EMBEDDED_MODELS else Path(name).expanduser()

