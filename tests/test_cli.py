@@ -103,7 +103,12 @@ def test_serve_auth_and_graceful_sigterm():
 
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(0.5)
+        # SIGTERM only once the request is running, however slow the machine.
+        running = 'dsinfer_num_requests_running{model="smollm2"} 1'
+        deadline = time.monotonic() + 30
+        while running not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         t.join(60)
         assert result == {"status": 200, "tokens": 60}
