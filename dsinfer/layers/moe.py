@@ -1,0 +1,147 @@
+"""DeepSeekMoE: a router (softmax or sigmoid scoring, group-limited top-k, bias-corrected
+selection, routed scaling), routed experts computed per expert over the tokens sent to it, and
+always-on shared experts.
+
+The math follows the reference (transformers' DeepseekV2/V3 modules): selection may use
+`scores + e_score_correction_bias` (V3), but the weights applied are the unbiased scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsinfer.layers.activation import silu_and_mul
+from dsinfer.layers.linear import Linear
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    hidden_size: int
+    intermediate_size: int  # per expert
+    num_experts: int
+    top_k: int
+    num_shared_experts: int = 0
+    scoring: str = "softmax"  # "softmax" (V2) | "sigmoid" (V3)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False  # V3's e_score_correction_bias
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported scoring_func {self.scoring!r}; use softmax or sigmoid")
+        if self.num_experts % self.n_group:
+            raise ValueError(
+                f"n_routed_experts {self.num_experts} is not divisible by n_group {self.n_group}"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, {self.num_experts}]")
+
+
+def route(
+    logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: fp32 [T, E] → (weights [T, k] fp32, expert ids [T, k] int64)."""
+    scores = logits.softmax(dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
+    choice = scores + bias if bias is not None else scores
+    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+        t = choice.shape[0]
+        grouped = choice.view(t, cfg.n_group, -1)  # [T, G, E/G]
+        if bias is not None:  # V3: a group is worth its two best experts
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:  # V2: a group is worth its best expert
+            group_scores = grouped.max(dim=-1).values
+        keep = torch.topk(group_scores, cfg.topk_group, dim=-1).indices  # [T, topk_group]
+        mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+        choice = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).view(t, -1)
+    ids = torch.topk(choice, cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """All routed experts' weights stacked: w13 [E, 2I, H] ([gate | up]) and w2 [E, H, I]."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
+        self.intermediate = i
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]; weights, ids: [T, k] → Σ_k weight · expert(x): [T, H].
+
+        Assignments are sorted by expert so each expert runs one matmul over all its tokens; the
+        loop is over experts that received tokens, never over tokens."""
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # [T*k]
+        token_of = order // k
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        xs = x[token_of]  # [T*k, H], grouped by expert
+        out = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            seg = slice(start, start + n)
+            h = silu_and_mul(F.linear(xs[seg], self.w13[e]))  # [n, I]
+            out[seg] = F.linear(h, self.w2[e])
+            start += n
+        out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+
+class SharedExperts(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], shard_names=("gate", "up"))
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class MoEGate(nn.Module):
+    """Router weights stay fp32 whatever the model dtype: selection is sensitive to rounding."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32), requires_grad=False)
+            if cfg.score_correction_bias
+            else None
+        )
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = MoEGate(cfg)
+        self.experts = RoutedExperts(cfg)
+        self.shared_experts = (
+            SharedExperts(cfg.hidden_size, cfg.intermediate_size * cfg.num_shared_experts)
+            if cfg.num_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] → [T, H]."""
+        logits = F.linear(x.float(), self.gate.weight)  # [T, E] fp32
+        weights, ids = route(logits, self.cfg, self.gate.e_score_correction_bias)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
