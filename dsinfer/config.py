@@ -43,6 +43,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # YaRN (DeepSeek-V2/V3): ramp bounds and the attention-scale (mscale) correction.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,9 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V that one token occupies across all layers."""
         elem = torch.tensor([], dtype=dtype).element_size()
+        if "kv_lora_rank" in self.extra:  # MLA: one latent plus one rope key per token and layer
+            latent = self.extra["kv_lora_rank"] + self.extra["qk_rope_head_dim"]
+            return self.num_layers * latent * elem
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 

@@ -73,6 +73,7 @@ class Linear(nn.Module):
                 off += size
         for p in self.parameters(recurse=False):
             p.weight_loader = self._load  # type: ignore[attr-defined]
+            p.shards = list(self.shards)  # type: ignore[attr-defined]  # what the loader expects
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:
         if shard is None:

@@ -75,6 +75,22 @@ class RoutedExperts(nn.Module):
         self.intermediate = i
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        # Checkpoints store each expert's gate/up/down separately: shard = (kind, expert).
+        self.w13.shards = [(k, x) for x in range(e) for k in ("gate", "up")]  # type: ignore[attr-defined]
+        self.w2.shards = [("down", x) for x in range(e)]  # type: ignore[attr-defined]
+        for p in (self.w13, self.w2):
+            p.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
+        kind, e = shard
+        i = self.intermediate
+        dst = {"gate": param.data[e, :i], "up": param.data[e, i:], "down": param.data[e]}[kind]
+        if tuple(dst.shape) != tuple(loaded.shape):
+            raise ValueError(
+                f"shape mismatch for expert {e} {kind}: checkpoint has "
+                f"{tuple(loaded.shape)}, model expects {tuple(dst.shape)}"
+            )
+        dst.copy_(loaded)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; weights, ids: [T, k] → Σ_k weight · expert(x): [T, H].

@@ -16,6 +16,8 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return inv
     if rope.kind == "linear":
         return inv / rope.factor
+    if rope.kind == "yarn":
+        return _yarn_inverse_frequencies(head_dim, rope)
     if rope.kind == "llama3":
         # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
         old = rope.original_max_position
@@ -29,8 +31,40 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
         return torch.where(medium, blended, scaled)
     raise ValueError(
-        f"unsupported rope_scaling type {rope.kind!r}; supported: default, linear, llama3"
+        f"unsupported rope_scaling type {rope.kind!r}; supported: default, linear, llama3, yarn"
     )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """YaRN's multiplier on cos/sin (1 for every other kind)."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
+
+
+def _yarn_inverse_frequencies(dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Interpolate long wavelengths by `factor`, keep short ones, ramp linearly between the
+    dimensions that rotate beta_fast and beta_slow times over the original context."""
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta)
+        )
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    pos = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return (1.0 / (rope.factor * pos)) * (1 - extrapolate) + (1.0 / pos) * extrapolate
 
 
 class RotaryEmbedding(nn.Module):
@@ -40,8 +74,9 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [P, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = attention_factor(rope)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
         self.head_dim = head_dim
 
     def cos_sin(

@@ -86,30 +86,37 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into `model`, mapping fused projections; fail on any mismatch."""
+    """Copy checkpoint tensors into `model`, mapping fused projections; fail on any mismatch.
+
+    A parameter fused from several checkpoint tensors lists them in `param.shards`; a model may
+    define `map_checkpoint_name(name) -> (target, shard) | None` for names the generic
+    `packed_modules` rule cannot express (None: use the generic rule; target "": skip)."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
-    expected: set[tuple[str, str | None]] = set()
-    for name in params:
-        mod = model.get_submodule(name.rsplit(".", 1)[0])
-        shards = (
-            getattr(mod, "shards", {}) if name.endswith(".weight") or name.endswith(".bias") else {}
-        )
-        for shard in shards or [None]:
+    mapper = getattr(model, "map_checkpoint_name", None)
+    expected: set[tuple[str, object]] = set()
+    for name, p in params.items():
+        for shard in getattr(p, "shards", None) or [None]:
             expected.add((name, shard))
     tied = getattr(getattr(model, "lm_head", None), "tied", False)
     if tied:
         expected.discard(("lm_head.weight", None))
-    loaded: set[tuple[str, str | None]] = set()
+    loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     for ck_name, tensor in weights:
         if ck_name.endswith(_IGNORED_SUFFIXES) or (tied and ck_name == "lm_head.weight"):
             continue
-        target, shard = ck_name, None
-        parts = ck_name.split(".")
-        if len(parts) >= 2 and parts[-2] in packed:
-            module, shard = packed[parts[-2]]
-            target = ".".join(parts[:-2] + [module, parts[-1]])
+        mapped = mapper(ck_name) if mapper is not None else None
+        if mapped is not None:
+            target, shard = mapped
+            if not target:
+                continue
+        else:
+            target, shard = ck_name, None
+            parts = ck_name.split(".")
+            if len(parts) >= 2 and parts[-2] in packed:
+                module, shard = packed[parts[-2]]
+                target = ".".join(parts[:-2] + [module, parts[-1]])
         if target not in params:
             unexpected.append(ck_name)
             continue
@@ -120,20 +127,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {ck_name}: {e}") from None
         loaded.add((target, shard))
-    missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if unexpected or missing:
+        more_u = "…" if len(unexpected) > 8 else ""
+        more_m = "…" if len(missing) > 8 else ""
         raise ValueError(
             "checkpoint does not match the model: "
-            + (
-                f"unexpected tensors {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}; "
-                if unexpected
-                else ""
-            )
-            + (
-                f"missing tensors {missing[:8]}{'…' if len(missing) > 8 else ''}; "
-                if missing
-                else ""
-            )
+            + (f"unexpected tensors {unexpected[:8]}{more_u}; " if unexpected else "")
+            + (f"missing tensors {missing[:8]}{more_m}; " if missing else "")
             + "check that config.json describes these weights"
         )
 

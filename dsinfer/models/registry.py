@@ -7,12 +7,15 @@ from typing import Any
 from torch import nn
 
 from dsinfer.config import ModelConfig, RopeConfig
+from dsinfer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from dsinfer.models.llama import LlamaForCausalLM
 from dsinfer.models.qwen2 import Qwen2ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
@@ -40,6 +43,10 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=float(merged.get("mscale") or 0.0),
+        mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
     )
 
 
@@ -59,6 +66,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         )
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    extra = _deepseek_extra(cfg) if arch.startswith("Deepseek") else {}
     is_qwen2 = arch == "Qwen2ForCausalLM"
     bias = bool(cfg.get("attention_bias", False))
     return ModelConfig(
@@ -69,7 +77,10 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        # DeepSeek: transformers writes head_dim = the rope part; the real q/k head is nope + rope.
+        head_dim=(extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"])
+        if extra
+        else int(cfg.get("head_dim") or hidden // heads),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=_rope_from_hf(cfg),
@@ -78,4 +89,33 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         o_bias=False if is_qwen2 else bias,
         hidden_act=str(cfg.get("hidden_act", "silu")),
         checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        extra=extra,
     )
+
+
+def _deepseek_extra(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MLA and MoE hyper-parameters of DeepSeek-V2/V3 configs."""
+    v3 = cfg["architectures"][0] == "DeepseekV3ForCausalLM"
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    topk_method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    grouped = topk_method in ("group_limited_greedy", "noaux_tc")
+    return {
+        "q_lora_rank": cfg.get("q_lora_rank"),
+        "kv_lora_rank": int(cfg["kv_lora_rank"]),
+        "qk_nope_head_dim": int(cfg["qk_nope_head_dim"]),
+        "qk_rope_head_dim": int(cfg["qk_rope_head_dim"]),
+        "v_head_dim": int(cfg["v_head_dim"]),
+        "n_routed_experts": int(cfg.get("n_routed_experts") or 0),
+        "n_shared_experts": int(cfg.get("n_shared_experts") or 0),
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 1),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
+        "first_k_dense_replace": int(cfg.get("first_k_dense_replace") or 0),
+        "moe_layer_freq": int(cfg.get("moe_layer_freq") or 1),
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "scoring_func": scoring,
+        "n_group": int(cfg.get("n_group") or 1) if grouped else 1,
+        "topk_group": int(cfg.get("topk_group") or 1) if grouped else 1,
+        # transformers' V2 router never renormalises; V3 follows the config.
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) and v3,
+        "score_correction_bias": topk_method == "noaux_tc",
+    }

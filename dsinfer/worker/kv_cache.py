@@ -26,17 +26,26 @@ def num_blocks_for_budget(model: ModelConfig, cache: CacheConfig, dtype: torch.d
 
 def allocate_kv_cache(
     model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+) -> tuple[list[tuple[torch.Tensor, ...]], int]:
     """Allocate (and touch, so a too-large pool fails now, not mid-request) the whole pool."""
     n = num_blocks_for_budget(model, cache, dtype)
-    shape = (n, model.num_kv_heads, cache.block_size, model.head_dim)
-    caches = [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(model.num_layers)
-    ]
+    caches: list[tuple[torch.Tensor, ...]]
+    if "kv_lora_rank" in model.extra:
+        # MLA layout: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one per layer.
+        width = model.extra["kv_lora_rank"] + model.extra["qk_rope_head_dim"]
+        caches = [
+            (torch.zeros((n, cache.block_size, width), dtype=dtype, device=device),)
+            for _ in range(model.num_layers)
+        ]
+    else:
+        shape = (n, model.num_kv_heads, cache.block_size, model.head_dim)
+        caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(model.num_layers)
+        ]
     logger.info(
         "KV pool: %d blocks × %d tokens = %d tokens, %.1f MiB",
         n,

@@ -1,0 +1,106 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged *latent* KV cache.
+
+Per token and layer the pool keeps only [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)], not
+per-head K/V. Two ways to attend, which must agree:
+- naive: expand the latent through kv_b_proj into per-head k_nope and v, then plain attention
+  (used for prefill chunks, where the expansion is amortised over many queries);
+- absorbed: fold kv_b_proj's key half into the query (q_nope · W_UK → latent space) and its value
+  half into the output, so scores and values are read straight from the latent (used for decode,
+  where it reads ~(kv_lora_rank + rope) numbers per cached token instead of H·(nope + v)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsinfer.layers.attention.backend import AttentionMetadata
+
+
+class MLAPagedAttention:
+    def __init__(self, num_heads: int, nope: int, rope: int, v_dim: int, lora: int, scale: float):
+        self.h, self.nope, self.rope, self.v, self.lora = num_heads, nope, rope, v_dim, lora
+        self.scale = scale
+        self.absorb_decode = True
+
+    def forward(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        cache: torch.Tensor,
+        kv_b: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q_nope [T, H, nope], q_pe [T, H, rope], latent [T, lora + rope] (this step's tokens),
+        cache [blocks, bs, lora + rope], kv_b: kv_b_proj weight [H·(nope + v), lora] → [T, H, v]."""
+        cache[meta.slot_blocks, meta.slot_offsets] = latent.to(cache.dtype)
+        w = kv_b.float().view(self.h, self.nope + self.v, self.lora)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, lora], [H, v, lora]
+        out = torch.empty(q_nope.shape[0], self.h, self.v, dtype=q_nope.dtype, device=q_nope.device)
+        nd = meta.num_decode
+        if nd:
+            decode = self._absorbed if self.absorb_decode else self._naive_decode
+            out[:nd] = decode(q_nope[:nd], q_pe[:nd], cache, w_uk, w_uv, meta)
+        for p in meta.prefills:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            if p.ctx_len == p.q_len:
+                ctx = latent[rows]
+            else:
+                ctx = cache.view(cache.shape[0], -1).index_select(0, p.block_table)
+                ctx = ctx.view(-1, self.lora + self.rope)[: p.ctx_len]
+            out[rows] = self._naive(
+                q_nope[rows], q_pe[rows], ctx, w_uk, w_uv, p.ctx_len - p.q_len
+            ).to(out.dtype)
+        return out
+
+    def _naive(self, q_nope, q_pe, ctx, w_uk, w_uv, num_before: int) -> torch.Tensor:  # noqa: ANN001
+        """One sequence: q [Q, H, ·], ctx [C, lora + rope] → [Q, H, v]."""
+        c, k_pe = ctx[:, : self.lora].float(), ctx[:, self.lora :].float()
+        k_nope = torch.einsum("cl,hnl->hcn", c, w_uk)  # [H, C, nope]
+        v = torch.einsum("cl,hvl->hcv", c, w_uv)  # [H, C, v]
+        k = torch.cat([k_nope, k_pe.unsqueeze(0).expand(self.h, -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1)  # [H, Q, nope + rope]
+        ql, cl = q.shape[1], k.shape[1]
+        if num_before == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            qpos = torch.arange(num_before, num_before + ql, device=q.device).unsqueeze(1)
+            mask = torch.arange(cl, device=q.device).unsqueeze(0) <= qpos
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return o.transpose(0, 1)  # [Q, H, v]
+
+    def _gather_decode(self, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        bt = meta.decode_block_tables
+        assert bt is not None
+        b = bt.shape[0]
+        rows = cache.view(cache.shape[0], -1).index_select(0, bt.reshape(-1))
+        return rows.view(b, -1, self.lora + self.rope).float()  # [B, L, lora + rope]
+
+    def _absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, meta) -> torch.Tensor:  # noqa: ANN001
+        ctx = self._gather_decode(cache, meta)
+        b = ctx.shape[0]
+        c, k_pe = ctx[..., : self.lora], ctx[..., self.lora :]  # [B, L, lora], [B, L, rope]
+        q_lat = torch.einsum("bhn,hnl->bhl", q_nope.float(), w_uk)  # [B, H, lora]
+        scores = torch.matmul(q_lat, c.transpose(1, 2)) + torch.matmul(
+            q_pe.float(), k_pe.transpose(1, 2)
+        )  # [B, H, L]
+        scores = scores * self.scale
+        assert meta.decode_mask is not None
+        scores.masked_fill_(meta.decode_mask.view(b, 1, -1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o_lat = torch.matmul(probs, c)  # [B, H, lora]
+        return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)  # [B, H, v]
+
+    def _naive_decode(self, q_nope, q_pe, cache, w_uk, w_uv, meta) -> torch.Tensor:  # noqa: ANN001
+        """Reference for the absorbed path: expand every cached latent, then attend."""
+        ctx = self._gather_decode(cache, meta)
+        assert meta.decode_mask is not None
+        lengths = (~meta.decode_mask.view(ctx.shape[0], -1)).sum(dim=1).tolist()
+        outs = [
+            self._naive(
+                q_nope[i : i + 1], q_pe[i : i + 1], ctx[i, : lengths[i]], w_uk, w_uv, lengths[i] - 1
+            )
+            for i in range(ctx.shape[0])
+        ]
+        return torch.cat(outs, dim=0)

@@ -1,0 +1,154 @@
+"""DeepSeek-V2 / V3 / R1 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): MLA + DeepSeekMoE.
+
+V2 and V3 differ only in config flags: router scoring (softmax / sigmoid with a selection bias),
+group-limited routing, q_lora_rank (null in V2-Lite), YaRN parameters. The rope part of q and k
+is stored by checkpoints with adjacent pairs rotated together; we de-interleave it once (q and k
+the same way, so dot products are unchanged) and use the NeoX rotation shared with Llama.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import nn
+
+from dsinfer.config import ModelConfig
+from dsinfer.layers.attention import AttentionMetadata
+from dsinfer.layers.attention.mla import MLAPagedAttention
+from dsinfer.layers.embedding import LMHead, VocabEmbedding
+from dsinfer.layers.linear import Linear
+from dsinfer.layers.moe import DeepseekMoE, MoEConfig
+from dsinfer.layers.norm import RMSNorm
+from dsinfer.layers.rotary import RotaryEmbedding, apply_rotary, yarn_mscale
+from dsinfer.models.llama import LlamaForCausalLM, LlamaMLP
+
+logger = logging.getLogger(__name__)
+Rope = tuple[torch.Tensor, torch.Tensor]
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] with pairs (2j, 2j+1) → [..., D] as (evens | odds): NeoX layout."""
+    d = x.shape[-1]
+    return x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).reshape(x.shape)
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        m = cfg.extra
+        h, hidden = cfg.num_heads, cfg.hidden_size
+        self.h, self.nope, self.rope_dim = h, m["qk_nope_head_dim"], m["qk_rope_head_dim"]
+        self.v, self.lora = m["v_head_dim"], m["kv_lora_rank"]
+        qk = self.nope + self.rope_dim
+        self.q_lora = m["q_lora_rank"]
+        if self.q_lora:
+            self.q_a_proj = Linear(hidden, self.q_lora)
+            self.q_a_layernorm = RMSNorm(self.q_lora, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(self.q_lora, h * qk)
+        else:
+            self.q_proj = Linear(hidden, h * qk)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.lora + self.rope_dim)
+        self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(self.lora, h * (self.nope + self.v))
+        self.o_proj = Linear(h * self.v, hidden)
+        scale = qk**-0.5
+        if cfg.rope.kind == "yarn" and cfg.rope.mscale_all_dim:
+            scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
+        self.attn = MLAPagedAttention(h, self.nope, self.rope_dim, self.v, self.lora, scale)
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, cache: tuple[torch.Tensor, ...], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
+        else:
+            q = self.q_proj(x)
+        q = q.view(t, self.h, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)  # [T, lora + rope]
+        c, k_pe = kv.split([self.lora, self.rope_dim], dim=-1)
+        c = self.kv_a_layernorm(c)[0]
+        q_pe = apply_rotary(_deinterleave(q_pe), *rope)  # [T, H, rope]
+        k_pe = apply_rotary(_deinterleave(k_pe).unsqueeze(1), *rope).squeeze(1)  # [T, rope]
+        latent = torch.cat([c, k_pe], dim=-1)  # [T, lora + rope]: all the cache keeps
+        o = self.attn.forward(q_nope, q_pe, latent, cache[0], self.kv_b_proj.weight, meta)
+        return self.o_proj(o.reshape(t, self.h * self.v))
+
+
+def moe_config(cfg: ModelConfig) -> MoEConfig:
+    m = cfg.extra
+    return MoEConfig(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=m["moe_intermediate_size"],
+        num_experts=m["n_routed_experts"],
+        top_k=m["num_experts_per_tok"],
+        num_shared_experts=m["n_shared_experts"],
+        scoring=m["scoring_func"],
+        n_group=m["n_group"],
+        topk_group=m["topk_group"],
+        norm_topk_prob=m["norm_topk_prob"],
+        routed_scaling_factor=m["routed_scaling_factor"],
+        score_correction_bias=m["score_correction_bias"],
+    )
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        m = cfg.extra
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        dense = index < m["first_k_dense_replace"] or index % m["moe_layer_freq"] != 0
+        self.mlp = (
+            LlamaMLP(cfg) if dense or not m["n_routed_experts"] else DeepseekMoE(moe_config(cfg))
+        )
+
+    def forward(self, x, residual, rope, cache, meta):  # noqa: ANN001, ANN201
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(
+            cfg.extra["qk_rope_head_dim"], cfg.max_position_embeddings, cfg.rope
+        )
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    """Shares the Llama driver (embed → layers → norm → LM head); layers are MLA + MoE."""
+
+    # Only the dense and shared-expert MLPs fuse gate|up; MLA's projections load as they are.
+    packed_modules = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = DeepseekModel(cfg)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+        self._mtp_prefix = f"model.layers.{cfg.num_layers}."
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
+        if name.startswith(self._mtp_prefix):
+            return "", None  # the MTP layer: not used yet (self-speculation is future work)
+        m = _EXPERT.match(name)
+        if m is None:
+            return None
+        prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
+        return f"{prefix}.{'w2' if kind == 'down' else 'w13'}", (kind, expert)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """V3 / R1: the config parser sets sigmoid scoring with the selection bias."""
