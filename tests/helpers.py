@@ -89,3 +89,25 @@ def tiny_llama_dir(path, num_layers: int = 2):  # noqa: ANN001, ANN201
     LlamaForCausalLM(cfg).save_pretrained(path)
     _tokenizer_files(path)
     return path
+
+
+def save_and_load(model, path):  # noqa: ANN001, ANN201
+    """Save a transformers model with the tiny tokenizer; load it with dsinfer (fp32)."""
+    from dsinfer import LLM
+    from tests.models.test_tiny_parity import _tokenizer_files
+
+    model.eval()
+    model.save_pretrained(path)
+    _tokenizer_files(path)
+    return LLM(str(path), dtype="float32", num_blocks=64, block_size=4)
+
+
+def assert_logits_match(llm, ref, lengths: tuple[int, ...], vocab: int, tol: float) -> None:  # noqa: ANN001
+    """Random prompts of each length: our logits at every position within tol of ref's."""
+    g = torch.Generator().manual_seed(0)
+    for n in lengths:
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        with torch.inference_mode():
+            want = ref(torch.tensor([ids])).logits[0]
+        err = (full_logits(llm.engine, ids) - want).abs().max().item()
+        assert err < tol, (n, err)

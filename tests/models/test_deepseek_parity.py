@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsinfer import LLM, SamplingParams
-from tests.helpers import assert_pool_clean, full_logits, hf_greedy, tokens_match_up_to_near_tie
-from tests.models.test_tiny_parity import VOCAB, _tokenizer_files
+from dsinfer import SamplingParams
+from tests.helpers import (
+    assert_logits_match,
+    assert_pool_clean,
+    hf_greedy,
+    save_and_load,
+    tokens_match_up_to_near_tie,
+)
+from tests.models.test_tiny_parity import VOCAB
 
 YARN = {
     "type": "yarn",
@@ -71,23 +77,13 @@ def tiny(request, tmp_path_factory):
             layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
             if version == "v3":
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3, generator=g)
-    model.eval()
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    _tokenizer_files(path)
-    llm = LLM(str(path), dtype="float32", num_blocks=64, block_size=4)
+    llm = save_and_load(model, tmp_path_factory.mktemp(request.param))
     return llm, model
 
 
 def test_logits_match(tiny):
     llm, ref = tiny
-    g = torch.Generator().manual_seed(0)
-    for n in (1, 9, 40):
-        ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
-        with torch.inference_mode():
-            want = ref(torch.tensor([ids])).logits[0]
-        err = (full_logits(llm.engine, ids) - want).abs().max().item()
-        assert err < 1e-4, err
+    assert_logits_match(llm, ref, (1, 9, 40), VOCAB, 1e-4)
 
 
 def test_greedy_matches_batched_with_chunks(tiny):

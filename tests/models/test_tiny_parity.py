@@ -7,8 +7,14 @@ import json
 import pytest
 import torch
 
-from dsinfer import LLM, SamplingParams
-from tests.helpers import assert_pool_clean, full_logits, hf_greedy, tokens_match_up_to_near_tie
+from dsinfer import SamplingParams
+from tests.helpers import (
+    assert_logits_match,
+    assert_pool_clean,
+    hf_greedy,
+    save_and_load,
+    tokens_match_up_to_near_tie,
+)
 
 VOCAB = 320
 
@@ -74,23 +80,13 @@ def tiny(request, tmp_path_factory):
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0, 0.5)
-    model.eval()
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    _tokenizer_files(path)
-    llm = LLM(str(path), dtype="float32", num_blocks=64, block_size=4)
+    llm = save_and_load(model, tmp_path_factory.mktemp(request.param))
     return llm, model
 
 
 def test_logits_match(tiny):
     llm, ref = tiny
-    g = torch.Generator().manual_seed(0)
-    for n in (1, 7, 33):
-        ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
-        ours = full_logits(llm.engine, ids)
-        with torch.inference_mode():
-            want = ref(torch.tensor([ids])).logits[0]
-        assert (ours - want).abs().max().item() < 1e-4
+    assert_logits_match(llm, ref, (1, 7, 33), VOCAB, 1e-4)
 
 
 def test_greedy_matches_batched(tiny):
