@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
@@ -86,6 +87,25 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+
+def split_samples(params: SamplingParams, n: int | None = None) -> list[SamplingParams]:
+    """n independent single-sample requests for one prompt; sample i uses seed + i when seeded,
+    so the n answers differ yet a seeded request stays reproducible. n defaults to params.n."""
+    n = params.n if n is None else n
+    if n == 1 and params.n == 1:
+        return [params]
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        for i in range(n)
+    ]
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """ValueError naming the first few ids outside [0, vocab_size)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 def _check(ok: bool, name: str, why: str) -> None:

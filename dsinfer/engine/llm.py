@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.sampling import SamplingParams
+from dsinfer.sampling import SamplingParams, split_samples
 
 PromptType = str | dict[str, Any]
 
@@ -80,7 +79,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         groups: list[list[str]] = []
         for prompt, p in zip(prompts, plist, strict=True):
-            groups.append([self._add(prompt, sub) for sub in _fan_out(p)])
+            groups.append([self._add(prompt, sub) for sub in split_samples(p)])
         finals: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -116,11 +115,3 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in convs]
         return self.generate(prompts, params)
-
-
-def _fan_out(p: SamplingParams) -> list[SamplingParams]:
-    if p.n == 1:
-        return [p]
-    return [
-        dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i) for i in range(p.n)
-    ]

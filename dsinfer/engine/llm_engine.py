@@ -17,7 +17,7 @@ from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from dsinfer.engine.request import Request, RequestStatus
 from dsinfer.engine.scheduler import Scheduler, StepUpdate
 from dsinfer.models.loader import EMBEDDED_MODELS, load_model, resolve_model_path
-from dsinfer.sampling import SamplingParams
+from dsinfer.sampling import SamplingParams, check_token_ids
 from dsinfer.tokenizer import Tokenizer, load_tokenizer
 from dsinfer.worker.executor import UniprocExecutor
 
@@ -63,10 +63,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        check_token_ids(ids, self.model_config.vocab_size)
         return ids
 
     def add_request(

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from dsinfer.sampling import check_token_ids
 from dsinfer.server.async_engine import EngineDeadError
 from dsinfer.server.chat import chat_completion
 from dsinfer.server.completions import completion
@@ -214,10 +215,10 @@ def build_app(
         authorize(request)
         body = parse(DetokenizeRequest, await read_json(request, settings.max_body_bytes))
         served = pick(body.model)
-        vocab = served.tokenizer.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside [0, {vocab})", param="tokens")
+        try:
+            check_token_ids(body.tokens, served.tokenizer.vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tokens") from None
         return {"prompt": served.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     return app

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from dsinfer.sampling import split_samples
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.protocol import APIError, ChatCompletionRequest
 from dsinfer.server.reasoning import ReasoningParser, split_reasoning
@@ -16,11 +17,12 @@ from dsinfer.server.serving import (
     ServedModel,
     Timing,
     chat_logprobs,
-    expand_n,
+    chunker,
     fan_out,
     new_id,
     sse,
     until_disconnected,
+    usage,
 )
 
 
@@ -57,7 +59,7 @@ async def chat_completion(
         params = body.sampling(max_tokens, top if body.logprobs else None)
     except ValueError as e:
         raise APIError(400, str(e)) from None
-    all_params = expand_n(params, body.n)
+    all_params = split_samples(params, body.n)
     rid = new_id("chatcmpl")
     metrics.prompt_tokens.inc(len(ids), served.name)
     timing = Timing(metrics, served.name)
@@ -98,22 +100,12 @@ async def _full(served, body, ids, prompt_text, all_params, rid, timing) -> dict
 
 
 def _usage(n_prompt: int, choices: list[ChoiceState]) -> dict:
-    n_out = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    return usage(n_prompt, sum(len(c.token_ids) for c in choices))
 
 
 async def _stream(served, body, ids, prompt_text, all_params, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        obj = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": served.created,
-            "model": served.name,
-            "choices": choices,
-        }
-        if body.stream_options and body.stream_options.include_usage:
-            obj["usage"] = usage
-        return sse(obj)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk = chunker("chat.completion.chunk", served, rid, include_usage)
 
     states = [ChoiceState(i) for i in range(len(all_params))]
     parsers = [ReasoningParser(prompt_text[-32:]) for _ in states] if served.reasoning else None
@@ -164,6 +156,6 @@ async def _stream(served, body, ids, prompt_text, all_params, rid, timing) -> As
     except ValueError as e:
         yield sse(APIError(400, str(e)).body())
     timing.done()
-    if body.stream_options and body.stream_options.include_usage:
+    if include_usage:
         yield chunk([], _usage(len(ids), states))
     yield "data: [DONE]\n\n"

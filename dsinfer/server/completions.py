@@ -8,28 +8,30 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from dsinfer.sampling import check_token_ids, split_samples
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.protocol import APIError, CompletionRequest
 from dsinfer.server.serving import (
     ChoiceState,
     ServedModel,
     Timing,
+    chunker,
     completion_logprobs,
-    expand_n,
     fan_out,
     new_id,
     sse,
     until_disconnected,
+    usage,
 )
 
 
 def _encode(served: ServedModel, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         return served.tokenizer.encode(prompt)
-    vocab = served.tokenizer.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"prompt token ids {bad[:5]} are outside [0, {vocab})", param="prompt")
+    try:
+        check_token_ids(prompt, served.tokenizer.vocab_size)
+    except ValueError as e:
+        raise APIError(400, f"prompt: {e}", param="prompt") from None
     return list(prompt)
 
 
@@ -52,7 +54,7 @@ async def completion(
             params = body.sampling(max_tokens, body.logprobs, prompt_logprobs=plp)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        jobs.append((p_index, ids, expand_n(params, body.n)))
+        jobs.append((p_index, ids, split_samples(params, body.n)))
         metrics.prompt_tokens.inc(len(ids), served.name)
     rid = new_id("cmpl")
     timing = Timing(metrics, served.name)
@@ -109,28 +111,14 @@ async def _full(served, body, jobs, rid, timing) -> dict:  # noqa: ANN001
         "created": served.created,
         "model": served.name,
         "choices": choices_out,
-        "usage": {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": n_out,
-            "total_tokens": n_prompt + n_out,
-        },
+        "usage": usage(n_prompt, n_out),
     }
 
 
 async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        obj = {
-            "id": rid,
-            "object": "text_completion",
-            "created": served.created,
-            "model": served.name,
-            "choices": choices,
-        }
-        if include_usage:
-            obj["usage"] = usage
-        return sse(obj)
+    chunk = chunker("text_completion", served, rid, include_usage)
 
     states = [ChoiceState(i) for i in range(len(all_params))]
     if body.echo:
@@ -164,12 +152,5 @@ async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[s
     timing.done()
     if include_usage:
         n_out = sum(len(s.token_ids) for s in states)
-        yield chunk(
-            [],
-            {
-                "prompt_tokens": len(ids),
-                "completion_tokens": n_out,
-                "total_tokens": len(ids) + n_out,
-            },
-        )
+        yield chunk([], usage(len(ids), n_out))
     yield "data: [DONE]\n\n"

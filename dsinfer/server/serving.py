@@ -128,13 +128,26 @@ async def fan_out(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def expand_n(params: SamplingParams, n: int) -> list[SamplingParams]:
-    import dataclasses
+def usage(n_prompt: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
-    return [
-        dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
-        for i in range(n)
-    ]
+
+def chunker(kind: str, served: ServedModel, rid: str, include_usage: bool):  # noqa: ANN201
+    """SSE chunk writer for one streamed response (`kind`: the OpenAI `object` value)."""
+
+    def chunk(choices: list[dict], usage_: dict | None = None) -> str:
+        obj = {
+            "id": rid,
+            "object": kind,
+            "created": served.created,
+            "model": served.name,
+            "choices": choices,
+        }
+        if include_usage:
+            obj["usage"] = usage_
+        return sse(obj)
+
+    return chunk
 
 
 def token_text(tok: Tokenizer, tid: int) -> str:
