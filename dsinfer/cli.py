@@ -59,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
-        seed=args.seed_sample,
+        seed=args.seed,  # --seed seeds the engine and, for generate, the sampler too
     )
     if args.chat:
         ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
@@ -106,8 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
-    # `--seed` seeds the engine; for generate it is also the sampling seed.
-    g.set_defaults(seed_sample=None)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     s.add_argument(
@@ -148,8 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if getattr(args, "cmd", None) == "generate":
-        args.seed_sample = args.seed
     try:
         return int(args.func(args) or 0)
     except ValueError as e:

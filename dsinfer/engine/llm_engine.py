@@ -40,7 +40,6 @@ class LLMEngine:
         )
         self.model_config = loaded.config
         self.dtype = loaded.dtype
-        self.model_path = loaded.path
         self.tokenizer: Tokenizer = load_tokenizer(
             _tokenizer_source(config.tokenizer) if config.tokenizer else loaded.path
         )
@@ -54,7 +53,7 @@ class LLMEngine:
         )
         self.pool = BlockPool(self.executor.num_blocks, config.cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, self.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 

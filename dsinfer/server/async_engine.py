@@ -50,7 +50,6 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.dead: BaseException | None = None
-        self.steps = 0
         self._thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -140,7 +139,6 @@ class AsyncEngine:
                     continue
                 t0 = time.perf_counter()
                 outputs = self.engine.step()
-                self.steps += 1
                 for out in outputs:
                     self._deliver(out.request_id, out)
                 logger.debug(

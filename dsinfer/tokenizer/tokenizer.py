@@ -73,9 +73,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Render and encode; the template already writes BOS where the model wants it."""
-        text = self.apply_chat_template(messages, **kwargs)
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        return ids
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
 
 def _token_text(value: Any) -> str | None:

@@ -13,9 +13,7 @@ from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 def _sched(num_blocks=16, block_size=4, max_seqs=8, budget=64) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks), block_size)
-    return Scheduler(
-        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, 1000
-    )
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv)
 
 
 def _fake_run(out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
