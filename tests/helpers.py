@@ -111,3 +111,20 @@ def assert_logits_match(llm, ref, lengths: tuple[int, ...], vocab: int, tol: flo
             want = ref(torch.tensor([ids])).logits[0]
         err = (full_logits(llm.engine, ids) - want).abs().max().item()
         assert err < tol, (n, err)
+
+
+def assert_batched_greedy_matches(llm, ref, lengths: tuple[int, ...], vocab: int, n: int) -> None:  # noqa: ANN001
+    """Random prompts of the given lengths run as one batch: n greedy tokens each equal the
+    reference's (up to a genuine near-tie); the pool is clean afterwards."""
+    from dsinfer import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lengths]
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+    )
+    for p, out in zip(prompts, outs, strict=True):
+        want, logits = hf_greedy(ref, p, n)
+        assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits), p
+    assert_pool_clean(llm.engine)

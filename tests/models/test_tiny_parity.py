@@ -7,13 +7,10 @@ import json
 import pytest
 import torch
 
-from dsinfer import SamplingParams
 from tests.helpers import (
+    assert_batched_greedy_matches,
     assert_logits_match,
-    assert_pool_clean,
-    hf_greedy,
     save_and_load,
-    tokens_match_up_to_near_tie,
 )
 
 VOCAB = 320
@@ -91,16 +88,7 @@ def test_logits_match(tiny):
 
 def test_greedy_matches_batched(tiny):
     llm, ref = tiny
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-    )
-    for p, out in zip(prompts, outs, strict=True):
-        want, logits = hf_greedy(ref, p, 20)
-        assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits)
-    assert_pool_clean(llm.engine)
+    assert_batched_greedy_matches(llm, ref, (3, 9, 17, 30), VOCAB, 20)
 
 
 def test_bos_rule_from_tokenizer_config(tiny):
