@@ -26,6 +26,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="build from config.json with seeded random weights (speed/memory only)",
     )
+    p.add_argument(
+        "--trusted-key",
+        action="append",
+        default=[],
+        metavar="PUB",
+        help="public key an artifact's signature must verify with (repeatable; "
+        "also DSINFER_TRUSTED_KEYS)",
+    )
+    p.add_argument(
+        "--allow-unsigned",
+        action="store_true",
+        help="opt out of the trust policy: load unsigned artifacts and raw checkpoints",
+    )
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -36,6 +49,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         seed=args.seed,
         tokenizer=args.tokenizer,
         random_weights=args.random_weights,
+        trusted_keys=tuple(args.trusted_key),
+        allow_unsigned=args.allow_unsigned,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),
@@ -128,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    from dsinfer.artifact.commands import add_parsers as artifact_parsers
+
+    artifact_parsers(sub)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)

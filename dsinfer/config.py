@@ -110,6 +110,10 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None  # default: the model's own files
     random_weights: bool = False  # build from config.json with seeded random weights
+    # Trust policy for artifacts: public keys their signature must verify with (plus
+    # DSINFER_TRUSTED_KEYS); allow_unsigned is the explicit opt-out.
+    trusted_keys: tuple[str, ...] = ()
+    allow_unsigned: bool = False
 
 
 def parse_memory(text: str | int) -> int:

@@ -37,6 +37,8 @@ class LLM:
         max_model_len: int | None = None,
         tokenizer: str | None = None,
         random_weights: bool = False,
+        trusted_keys: tuple[str, ...] | list[str] = (),
+        allow_unsigned: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -45,6 +47,8 @@ class LLM:
             seed=seed,
             tokenizer=tokenizer,
             random_weights=random_weights,
+            trusted_keys=tuple(str(k) for k in trusted_keys),
+            allow_unsigned=allow_unsigned,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=parse_memory(kv_cache_memory),

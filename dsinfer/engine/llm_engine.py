@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsinfer.artifact.source import load_model_source
+from dsinfer.artifact.verify import TrustPolicy
 from dsinfer.config import EngineConfig
 from dsinfer.device import resolve_device
 from dsinfer.engine.block_pool import BlockPool
@@ -16,7 +18,7 @@ from dsinfer.engine.kv_cache_manager import KVCacheManager
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dsinfer.engine.request import Request, RequestStatus
 from dsinfer.engine.scheduler import Scheduler, StepUpdate
-from dsinfer.models.loader import EMBEDDED_MODELS, load_model, resolve_model_path
+from dsinfer.models.loader import EMBEDDED_MODELS, resolve_model_path
 from dsinfer.sampling import SamplingParams, check_token_ids
 from dsinfer.tokenizer import Tokenizer, load_tokenizer
 from dsinfer.worker.executor import UniprocExecutor
@@ -35,13 +37,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = resolve_device(config.device)
-        loaded = load_model(
-            config.model, config.dtype, str(device), config.random_weights, config.seed
+        policy = TrustPolicy.from_options(config.trusted_keys, config.allow_unsigned)
+        loaded = load_model_source(
+            config.model, policy, config.dtype, str(device), config.random_weights, config.seed
         )
         self.model_config = loaded.config
         self.dtype = loaded.dtype
+        self.version = loaded.version  # an artifact's short version hash, else None
         self.tokenizer: Tokenizer = load_tokenizer(
-            _tokenizer_source(config.tokenizer) if config.tokenizer else loaded.path
+            _tokenizer_source(config.tokenizer)
+            if config.tokenizer
+            else loaded.tokenizer_path or loaded.path
         )
         self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
         logger.info("KV cache: %d bytes per token (%s)", self.kv_bytes_per_token, loaded.dtype)

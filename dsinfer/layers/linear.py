@@ -53,8 +53,12 @@ class Linear(nn.Module):
         bias: bool = False,
         shard_names: Sequence[str] | None = None,
         method: LinearMethod | None = None,
+        quantizable: bool = True,
     ) -> None:
         super().__init__()
+        # False when another module reads `weight` directly (MLA's kv_b_proj), so the
+        # weight must stay a plain float matrix.
+        self.quantizable = quantizable
         sizes = [out_features] if isinstance(out_features, int) else list(out_features)
         self.in_features = in_features
         self.out_features = sum(sizes)
@@ -74,6 +78,13 @@ class Linear(nn.Module):
         for p in self.parameters(recurse=False):
             p.weight_loader = self._load  # type: ignore[attr-defined]
             p.shards = list(self.shards)  # type: ignore[attr-defined]  # what the loader expects
+
+    def set_method(self, method: LinearMethod) -> None:
+        """Swap the weight format (artifact load, compile): drops the old weight tensors."""
+        for name in ("weight", "qweight", "scales", "scales_zeros"):
+            self._parameters.pop(name, None)
+        self.method = method
+        method.create_weights(self, self.out_features, self.in_features)
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:
         if shard is None:

@@ -52,7 +52,7 @@ class MLA(nn.Module):
             self.q_proj = Linear(hidden, h * qk)
         self.kv_a_proj_with_mqa = Linear(hidden, self.lora + self.rope_dim)
         self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(self.lora, h * (self.nope + self.v))
+        self.kv_b_proj = Linear(self.lora, h * (self.nope + self.v), quantizable=False)
         self.o_proj = Linear(h * self.v, hidden)
         scale = qk**-0.5
         if cfg.rope.kind == "yarn" and cfg.rope.mscale_all_dim:

@@ -145,6 +145,24 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     dtype: torch.dtype
+    tokenizer_path: Path | None = None  # default: `path` (HF directory or GGUF file)
+    version: str | None = None  # an artifact's short version hash
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> nn.Module:
+    """The model's graph with uninitialised parameters created in `dtype` on `device`.
+
+    Uninitialised memory is not touched, so a graph whose tensors are then replaced (artifact
+    load) costs no resident memory for them."""
+    cls = model_class(cfg.architecture)
+    # Tables that must stay fp32 (rotary) ask for it explicitly.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(cfg)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 @torch.no_grad()
@@ -174,16 +192,7 @@ def load_model(
     path = resolve_model_path(model, config_only=random_weights)
     cfg = read_model_config(path)
     tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)
-    cls = model_class(cfg.architecture)
-    # Parameters are created directly in the target dtype (no fp32 copy first); tables that
-    # must stay fp32 (rotary) ask for it explicitly.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(tdtype)
-    try:
-        with torch.device(device):
-            net = cls(cfg)
-    finally:
-        torch.set_default_dtype(previous)
+    net = build_model(cfg, tdtype, device)  # parameters in the target dtype: no fp32 copy
     if random_weights:
         fill_random_weights(net, seed)
     elif path.is_file():

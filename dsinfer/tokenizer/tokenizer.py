@@ -71,6 +71,16 @@ class Tokenizer:
             **kwargs,
         )
 
+    def save(self, directory: Path) -> list[str]:
+        """Write tokenizer.json and tokenizer_config.json that `from_hf_dir` reads back."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(directory / "tokenizer.json"))
+        config: dict[str, Any] = {"add_bos_token": self.add_bos, **self.special_tokens}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return ["tokenizer.json", "tokenizer_config.json"]
+
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """Render and encode; the template already writes BOS where the model wants it."""
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)

@@ -1,0 +1,162 @@
+"""`dsinfer compile`: checkpoint → quantised, fused, hashed (and signed) artifact directory.
+
+The runtime layout is the model's own `state_dict`: q/k/v and gate/up are already fused by the
+model's Linear layers at load, so compiling is load → quantise → save. Everything is written to
+a hidden sibling directory that is renamed onto OUT only when complete, so an interrupted
+compile never leaves anything at OUT that looks like an artifact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import dsinfer
+from dsinfer.artifact.errors import ArtifactError
+from dsinfer.artifact.manifest import Manifest, config_to_dict, file_entry, write_manifest
+from dsinfer.artifact.reader import TOKENIZER_DIR
+from dsinfer.artifact.signing import sign_dir
+from dsinfer.artifact.weights_io import save_weights
+from dsinfer.config import parse_dtype
+from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, quantize_model
+from dsinfer.models.loader import LoadedModel, load_model
+from dsinfer.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CompileOptions:
+    quant: str = "none"
+    group_size: int = 32
+    dtype: str = "auto"  # float parts; default: checkpoint's for none, bf16 otherwise
+    sign_key: Path | None = None
+    force: bool = False
+
+
+def check_options(opts: CompileOptions) -> None:
+    if opts.quant not in SCHEMES:
+        raise ArtifactError(f"unknown --quant {opts.quant!r}; choose one of {', '.join(SCHEMES)}")
+    if opts.quant == "int4" and opts.group_size not in INT4_GROUP_SIZES:
+        raise ArtifactError(
+            f"--group-size {opts.group_size} is not supported for int4; choose one of "
+            f"{', '.join(map(str, INT4_GROUP_SIZES))}"
+        )
+
+
+def float_dtype(opts: CompileOptions, checkpoint_dtype: str | None) -> torch.dtype:
+    if opts.dtype != "auto":
+        return parse_dtype(opts.dtype)
+    if opts.quant == "none":
+        return parse_dtype("auto", checkpoint_dtype)
+    return torch.bfloat16  # the packed int8/int4 CPU kernels are vectorised for bf16
+
+
+def _dedup_tied(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """state_dict with each shared tensor stored once; returns (tensors, alias → stored name)."""
+    tensors: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple[int, int], str] = {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            tied[name] = seen[key]
+        else:
+            seen[key] = name
+            tensors[name] = t
+    return tensors, tied
+
+
+def _write_contents(
+    tmp: Path, src: str, loaded: LoadedModel, opts: CompileOptions, dtype: torch.dtype
+) -> Manifest:
+    kept: dict[str, str] = {}
+    if opts.quant in ("int8", "int4"):
+        # Quantised from the fp32 load; the scales and every float tensor left take `dtype`.
+        kept = quantize_model(loaded.model, opts.quant, opts.group_size, dtype)
+        for name, why in kept.items():
+            logger.warning("%s stays %s: %s", name, dtype, why)
+        for p in loaded.model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+    tensors, tied = _dedup_tied(loaded.model)
+    weight_files = save_weights(tensors, tmp)
+    tokenizer_files = [
+        f"{TOKENIZER_DIR}/{f}" for f in load_tokenizer(loaded.path).save(tmp / TOKENIZER_DIR)
+    ]
+    quantization = {
+        "scheme": opts.quant,
+        "group_size": opts.group_size if opts.quant == "int4" else 0,
+        "dtype": str(dtype).removeprefix("torch."),
+        "float_layers": sorted(kept),
+        "tied": tied,
+        "source": Path(src).name,
+    }
+    files = [file_entry(tmp, rel) for rel in sorted(weight_files + tokenizer_files)]
+    manifest = Manifest(
+        dsinfer_version=dsinfer.__version__,
+        model_config=config_to_dict(loaded.config),
+        quantization=quantization,
+        tokenizer_files=tokenizer_files,
+        weight_files=weight_files,
+        files=files,
+    ).sealed()
+    write_manifest(tmp, manifest)
+    return manifest
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            with open(Path(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+
+
+def compile_artifact(src: str, out: Path, opts: CompileOptions) -> Manifest:
+    """Compile `src` (HF directory, GGUF file or embedded name) into the artifact `out`."""
+    check_options(opts)
+    out = out.expanduser().resolve()
+    if out.exists() and not opts.force:
+        raise ArtifactError(f"{out} exists; choose another -o or pass --force to replace it")
+    t0 = time.perf_counter()
+    from dsinfer.models.loader import read_model_config, resolve_model_path
+
+    cfg = read_model_config(resolve_model_path(src))
+    dtype = float_dtype(opts, cfg.checkpoint_dtype)
+    quantised = opts.quant in ("int8", "int4")
+    loaded = load_model(src, torch.float32 if quantised else dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        manifest = _write_contents(tmp, src, loaded, opts, dtype)
+        if opts.sign_key is not None:
+            sign_dir(tmp, opts.sign_key)
+        _fsync_tree(tmp)
+        if out.exists():  # --force: the old artifact goes only once the new one is complete
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info(
+        "compiled %s → %s (%s) version %s in %.1fs",
+        src,
+        out,
+        opts.quant,
+        manifest.short_version,
+        time.perf_counter() - t0,
+    )
+    return manifest

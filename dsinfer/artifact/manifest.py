@@ -1,0 +1,121 @@
+"""manifest.json: what an artifact holds, each file's size and sha256, and its version hash.
+
+The version hash is the sha256 of the manifest's canonical JSON (sorted keys, no whitespace)
+without the hash itself, so it changes whenever any file, the config or the quantisation does,
+and is the same for two compiles of the same input with the same options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsinfer.artifact.errors import ArtifactError
+from dsinfer.config import ModelConfig, RopeConfig
+
+FORMAT = "dsinfer-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SIGNATURE = "model.sig"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    path: str  # POSIX path relative to the artifact root
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    dsinfer_version: str
+    model_config: dict[str, Any]
+    quantization: dict[str, Any]  # scheme, group_size, dtype, float_layers, tied
+    tokenizer_files: list[str]
+    weight_files: list[str]
+    files: list[FileEntry]
+    format_version: int = FORMAT_VERSION
+    version_hash: str = ""
+
+    @property
+    def short_version(self) -> str:
+        return self.version_hash[:12]
+
+    def body(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("version_hash")
+        data["format"] = FORMAT
+        return data
+
+    def sealed(self) -> Manifest:
+        return dataclasses.replace(self, version_hash=content_digest(self.body()))
+
+
+def content_digest(body: dict[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_entry(root: Path, rel: str) -> FileEntry:
+    path = root / rel
+    return FileEntry(rel, path.stat().st_size, sha256_file(path))
+
+
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    data = manifest.body()
+    data["version_hash"] = manifest.version_hash
+    (root / MANIFEST).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def read_manifest(root: Path) -> Manifest:
+    """Parse and self-check manifest.json; any change to it shows as a digest mismatch."""
+    path = root / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{root} is not a dsinfer artifact: {MANIFEST} is missing")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+        if data.pop("format") != FORMAT:
+            raise ValueError("not a dsinfer artifact manifest")
+        stated = data.pop("version_hash")
+        files = [FileEntry(**f) for f in data.pop("files")]
+        manifest = Manifest(files=files, version_hash=stated, **data)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ArtifactError(
+            f"{path}: unreadable manifest ({e}); the file was altered or truncated — "
+            "recompile the artifact"
+        ) from None
+    if manifest.format_version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path}: artifact format {manifest.format_version}, this dsinfer reads "
+            f"{FORMAT_VERSION}; recompile with this version"
+        )
+    actual = content_digest(manifest.body())
+    if actual != stated:
+        raise ArtifactError(
+            f"{path}: content digest mismatch (expected {stated}, actual {actual}); "
+            "the manifest was altered"
+        )
+    return manifest
+
+
+def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    fields = dict(data)
+    fields["rope"] = RopeConfig(**fields["rope"])
+    return ModelConfig(**fields)

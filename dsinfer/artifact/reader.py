@@ -1,0 +1,66 @@
+"""Load an artifact: verify it first (trust policy), then assign its mmap'd tensors to the graph."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from dsinfer.artifact.errors import ArtifactError
+from dsinfer.artifact.manifest import Manifest, config_from_dict
+from dsinfer.artifact.verify import TrustPolicy, verify_artifact
+from dsinfer.artifact.weights_io import mmap_weights
+from dsinfer.config import parse_dtype
+from dsinfer.layers.quant import prepare_quantized
+from dsinfer.models.loader import LoadedModel, build_model
+
+logger = logging.getLogger(__name__)
+TOKENIZER_DIR = "tokenizer"
+
+
+def load_artifact(root: str | Path, policy: TrustPolicy, device: str = "cpu") -> LoadedModel:
+    t0 = time.perf_counter()
+    root = Path(root)
+    manifest = verify_artifact(root, policy)
+    quant = manifest.quantization
+    if quant["scheme"] in ("int8", "int4") and device != "cpu":
+        raise ArtifactError(
+            f"{root} holds {quant['scheme']} weights in torch's CPU kernel layout; "
+            f"compile another artifact for {device} or serve it with --device cpu"
+        )
+    cfg = config_from_dict(manifest.model_config)
+    dtype = parse_dtype(quant["dtype"])
+    net = build_model(cfg, dtype, device)
+    prepare_quantized(net, quant["scheme"], quant.get("group_size", 0), quant["float_layers"])
+    tensors = _read_tensors(root, manifest, device)
+    missing, unexpected = net.load_state_dict(tensors, strict=False, assign=True)
+    if missing or unexpected:
+        raise ArtifactError(
+            f"{root}: weights do not match the {cfg.architecture} graph "
+            f"(missing {missing[:4]}, unexpected {unexpected[:4]}); was it compiled by a "
+            "different dsinfer version?"
+        )
+    net.eval()
+    logger.info(
+        "loaded artifact %s (%s, %s %s) in %.2fs",
+        manifest.short_version,
+        cfg.architecture,
+        quant["scheme"],
+        quant["dtype"],
+        time.perf_counter() - t0,
+    )
+    return LoadedModel(net, cfg, root, dtype, root / TOKENIZER_DIR, manifest.short_version)
+
+
+def _read_tensors(root: Path, manifest: Manifest, device: str) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for fname in manifest.weight_files:
+        tensors.update(mmap_weights(root / fname))
+    # A tied weight is stored once; every name that shares it gets the same tensor back.
+    for alias, source in manifest.quantization.get("tied", {}).items():
+        tensors[alias] = tensors[source]
+    if device != "cpu":
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+    return tensors

@@ -1,0 +1,160 @@
+"""Weight-only quantised linear methods (INT8 per output channel, INT4 group-wise) for CPU.
+
+The offline half (`quantize_*`) turns a float weight into the tensors an artifact stores; the
+runtime half (`*LinearMethod`) declares those tensors on a `Linear` and multiplies with them.
+Activations stay in the model's float dtype (bf16 here: torch's packed CPU kernels are
+vectorised for bf16 and an order of magnitude slower in fp32).
+
+Kernel choice follows what was measured on this CPU (576×1536, bf16, see docs/artifacts.md):
+`_weight_int8pack_mm` costs ~11 µs per activation row, so beyond a few rows it is cheaper to
+widen the int8 weight to bf16 once and run one dense GEMM (prefill); decode stays on the packed
+kernel, where it reads a quarter of the fp32 bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsinfer.layers.linear import Linear, LinearMethod
+
+SCHEMES = ("none", "bf16", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+# Rows at which widening the int8 weight beats the packed kernel (measured crossover ~12).
+_INT8_DENSE_FROM_ROWS = 16
+
+
+class Int8LinearMethod(LinearMethod):
+    """W ≈ qweight · scales[:, None]; qweight int8 [out, in], scales [out] in the compute dtype."""
+
+    scheme = "int8"
+
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        layer.qweight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False
+        )
+        layer.scales = nn.Parameter(torch.empty(out_features), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        if flat.shape[0] < _INT8_DENSE_FROM_ROWS:
+            y = torch._weight_int8pack_mm(flat.contiguous(), layer.qweight, layer.scales)
+        else:
+            y = (flat @ layer.qweight.to(flat.dtype).t()) * layer.scales
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], -1)
+
+
+class Int4LinearMethod(LinearMethod):
+    """Asymmetric 4-bit groups along `in`: W[o, g·G + j] ≈ (q − 8) · scale[g, o] + zero[g, o].
+
+    qweight is torch's CPU int4pack layout [out, in / 2] (uint8), scales_zeros [in / G, out, 2];
+    the layout is the kernel's, so an artifact is loaded by mmap without repacking."""
+
+    scheme = "int4"
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        layer.qweight = nn.Parameter(
+            torch.empty(out_features, in_features // 2, dtype=torch.uint8), requires_grad=False
+        )
+        layer.scales_zeros = nn.Parameter(
+            torch.empty(in_features // self.group_size, out_features, 2), requires_grad=False
+        )
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
+        y = torch._weight_int4pack_mm_for_cpu(
+            flat, layer.qweight, self.group_size, layer.scales_zeros
+        )
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], -1)
+
+
+def int4_unsupported_reason(out_features: int, in_features: int, group_size: int) -> str | None:
+    """Why the CPU int4 kernel cannot take this shape, or None."""
+    if in_features % group_size:
+        return f"in_features {in_features} is not a multiple of the group size {group_size}"
+    if out_features % 16:
+        return f"out_features {out_features} is not a multiple of 16"
+    return None
+
+
+@torch.no_grad()
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Symmetric per-output-channel int8: scale = max|w_row| / 127."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return {"qweight": q, "scales": scales.to(dtype)}
+
+
+@torch.no_grad()
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Asymmetric min/max int4 per group of `group_size` input columns."""
+    out_f, in_f = weight.shape
+    w = weight.float().reshape(out_f, in_f // group_size, group_size)  # [out, groups, G]
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    # The kernel computes (q − 8) · scale + zero, so zero sits at the group's midpoint.
+    zero = lo + 8.0 * scale
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out_f, in_f), 1)
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [groups, out, 2]
+    return {"qweight": packed, "scales_zeros": scales_zeros.to(dtype)}
+
+
+def quant_method(scheme: str, group_size: int) -> LinearMethod | None:
+    if scheme == "int8":
+        return Int8LinearMethod()
+    if scheme == "int4":
+        return Int4LinearMethod(group_size)
+    return None
+
+
+def quantizable_linears(model: nn.Module) -> list[tuple[str, Linear]]:
+    """Linear layers whose weight only the layer itself reads (MLA reads kv_b_proj directly)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and m.quantizable]
+
+
+def skip_reason(scheme: str, layer: Linear, group_size: int) -> str | None:
+    if scheme == "int4":
+        return int4_unsupported_reason(layer.out_features, layer.in_features, group_size)
+    return None
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module, scheme: str, group_size: int, dtype: torch.dtype
+) -> dict[str, str]:
+    """Quantise every eligible Linear in place; returns {layer: why it stayed float}."""
+    kept: dict[str, str] = {}
+    for name, layer in quantizable_linears(model):
+        reason = skip_reason(scheme, layer, group_size)
+        if reason is not None:
+            kept[name] = reason
+            continue
+        if scheme == "int8":
+            tensors = quantize_int8(layer.weight, dtype)
+        else:
+            tensors = quantize_int4(layer.weight, group_size, dtype)
+        layer.set_method(quant_method(scheme, group_size))  # type: ignore[arg-type]
+        for key, value in tensors.items():
+            getattr(layer, key).data = value
+    return kept
+
+
+def prepare_quantized(model: nn.Module, scheme: str, group_size: int, kept: list[str]) -> None:
+    """Give the model an artifact's parameter layout before its tensors are assigned."""
+    method = quant_method(scheme, group_size)
+    if method is None:
+        return
+    for name, layer in quantizable_linears(model):
+        if name not in kept:
+            layer.set_method(quant_method(scheme, group_size))  # type: ignore[arg-type]
