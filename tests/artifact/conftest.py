@@ -30,7 +30,7 @@ def tiny_src(tmp_path_factory) -> Path:
 def tiny_artifacts(tmp_path_factory, tiny_src, keys) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-artifacts")
     out = {}
-    for quant in ("none", "int8", "int4"):
+    for quant in ("none", "bf16", "int8", "int4"):
         out[quant] = root / quant
         compile_artifact(str(tiny_src), out[quant], CompileOptions(quant=quant, sign_key=keys[0]))
     return out

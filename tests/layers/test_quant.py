@@ -1,0 +1,68 @@
+"""INT8/INT4 linear methods against the float matmul they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsinfer.layers.linear import Linear
+from dsinfer.layers.quant import (
+    Int4LinearMethod,
+    Int8LinearMethod,
+    int4_unsupported_reason,
+    quantize_int4,
+    quantize_int8,
+)
+
+
+def _quantised(w: torch.Tensor, scheme: str, group: int = 32) -> Linear:
+    lin = Linear(w.shape[1], w.shape[0])
+    tensors = (
+        quantize_int8(w, torch.bfloat16)
+        if scheme == "int8"
+        else quantize_int4(w, group, torch.bfloat16)
+    )
+    lin.set_method(Int8LinearMethod() if scheme == "int8" else Int4LinearMethod(group))
+    for k, v in tensors.items():
+        getattr(lin, k).data = v
+    return lin
+
+
+@pytest.mark.parametrize(("scheme", "tol"), [("int8", 0.015), ("int4", 0.1)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
+def test_quantised_linear_close_to_float(scheme, tol, rows):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128) * 0.02
+    x = torch.randn(rows, 128)
+    y = _quantised(w, scheme)(x.bfloat16()).float()
+    ref = x @ w.t()
+    assert ((y - ref).norm() / ref.norm()).item() < tol
+
+
+def test_int8_packed_and_dense_paths_agree():
+    torch.manual_seed(1)
+    lin = _quantised(torch.randn(64, 96), "int8")
+    x = torch.randn(20, 96).bfloat16()
+    dense = lin(x).float()  # 20 rows: the widened-weight GEMM
+    packed = torch.cat([lin(x[i : i + 1]) for i in range(20)]).float()  # one row: packed kernel
+    assert torch.allclose(dense, packed, rtol=2e-2, atol=2e-2)
+
+
+def test_int4_reproduces_weights_already_on_its_grid():
+    """A weight already on a 4-bit grid per 32-group (like GGUF Q4_1) survives exactly."""
+    torch.manual_seed(2)
+    q = torch.randint(0, 16, (32, 64)).float()
+    q[:, ::32] = 0  # every group spans the whole grid: min 0 …
+    q[:, 1::32] = 15  # … max 15
+    scale = torch.rand(32, 2).repeat_interleave(32, dim=1) * 0.01 + 0.001
+    w = q * scale - 0.05
+    t = quantize_int4(w, 32, torch.float32)  # fp32 scales: only the grid is tested here
+    eye = torch.eye(64, dtype=torch.float32)
+    weight = torch._weight_int4pack_mm_for_cpu(eye, t["qweight"], 32, t["scales_zeros"]).t()
+    assert torch.allclose(weight, w, atol=1e-6)
+
+
+def test_int4_shape_limits():
+    assert int4_unsupported_reason(64, 96, 64) is not None
+    assert int4_unsupported_reason(40, 64, 32) is not None
+    assert int4_unsupported_reason(64, 128, 64) is None
