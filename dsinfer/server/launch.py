@@ -48,6 +48,7 @@ def load_served_models(args: argparse.Namespace) -> dict[str, ServedModel]:
             runner,
             engine.tokenizer,
             engine.max_model_len,
+            version=engine.version,
             reasoning=supports_reasoning(engine.tokenizer),
         )
     return models
@@ -69,8 +70,9 @@ def serve(args: argparse.Namespace) -> int:
 
     url = f"http://{args.host}:{args.port}"
     first = next(iter(models))
+    names = [f"{n}@{m.version}" if m.version else n for n, m in models.items()]
     print(
-        f"dsinfer: serving {', '.join(models)} at {url}/v1\n"
+        f"dsinfer: serving {', '.join(names)} at {url}/v1\n"
         f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
         f'-d \'{{"model": "{first}", "messages": [{{"role": "user", '
         f'"content": "What is the capital of France?"}}]}}\'',
