@@ -24,6 +24,19 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INT8_DENSE_FROM_ROWS = 16
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., in] → contiguous [M, in]; the engine's activations already are (no extra ops)."""
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        y = y + bias
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], -1)
+
+
 class Int8LinearMethod(LinearMethod):
     """W ≈ qweight · scales[:, None]; qweight int8 [out, in], scales [out] in the compute dtype."""
 
@@ -36,14 +49,12 @@ class Int8LinearMethod(LinearMethod):
         layer.scales = nn.Parameter(torch.empty(out_features), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # [M, in]
+        flat = _rows(x)  # [M, in]
         if flat.shape[0] < _INT8_DENSE_FROM_ROWS:
-            y = torch._weight_int8pack_mm(flat.contiguous(), layer.qweight, layer.scales)
+            y = torch._weight_int8pack_mm(flat, layer.qweight, layer.scales)
         else:
             y = (flat @ layer.qweight.to(flat.dtype).t()) * layer.scales
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], -1)
+        return _finish(y, x, bias)
 
 
 class Int4LinearMethod(LinearMethod):
@@ -66,13 +77,10 @@ class Int4LinearMethod(LinearMethod):
         )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
         y = torch._weight_int4pack_mm_for_cpu(
-            flat, layer.qweight, self.group_size, layer.scales_zeros
+            _rows(x), layer.qweight, self.group_size, layer.scales_zeros
         )
-        if bias is not None:
-            y = y + bias
-        return y.view(*x.shape[:-1], -1)
+        return _finish(y, x, bias)
 
 
 def int4_unsupported_reason(out_features: int, in_features: int, group_size: int) -> str | None:

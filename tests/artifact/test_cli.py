@@ -47,3 +47,20 @@ def test_generate_from_artifact_with_trust_policy(tmp_path, tiny_artifacts, keys
     assert main([*argv, "--trusted-key", str(keys[1]), "--num-kv-blocks", "16"]) == 0
     assert main([*argv, "--trusted-key", str(tmp_path / "missing.pub")]) == 2
     assert "missing.pub" in capsys.readouterr().err
+
+
+def test_compile_report_is_measured(tmp_path, tiny_src, capsys):
+    import json
+
+    out = tmp_path / "art"
+    argv = ["compile", str(tiny_src), "-o", str(out), "--quant", "int8", "--report", "--json"]
+    assert main([*argv, "--kv-budget", "1MiB"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ops = report["decode_ops_per_layer"]
+    # Fusing q/k/v and gate/up removes at least one matmul and one concat per fused group.
+    assert ops["compiled"] <= ops["checkpoint_layout"] - 4 and ops["compiled"] > 10
+    wb = report["weight_bytes"]
+    assert wb["int4"] < wb["int8"] < wb["bfloat16"] < wb["float32"]
+    per_token = report["kv_bytes_per_token"]
+    assert per_token == 2 * 2 * 2 * 8 * 2  # K and V × layers × kv heads × head dim × bf16
+    assert report["kv_capacity_tokens"] == (1 << 20) // (per_token * 16) * 16

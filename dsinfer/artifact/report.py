@@ -1,0 +1,158 @@
+"""`dsinfer compile --report`: measured operator counts, weight bytes, KV capacity, compile time.
+
+Operator counts come from torch.profiler over one decode step (one new token after a short
+context) of the first decoder layer: the operators that layer dispatches directly, once in the
+checkpoint's layout (q, k, v and gate, up as separate matmuls, float weights) and once as
+compiled (fused projections, the artifact's weight format).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from dsinfer.artifact.compiler import CompileOptions, compile_artifact, float_dtype
+from dsinfer.artifact.reader import load_artifact
+from dsinfer.artifact.verify import TrustPolicy
+from dsinfer.config import CacheConfig, ModelConfig, parse_memory
+from dsinfer.layers.linear import Linear, LinearMethod
+from dsinfer.layers.quant import quantizable_linears, skip_reason
+from dsinfer.models.loader import LoadedModel, load_model
+from dsinfer.worker.input_batch import build_model_input
+from dsinfer.worker.model_runner import ModelRunner
+from dsinfer.worker.step_io import ScheduledSeq
+
+_LAYER_RANGE = "dsinfer::decoder_layer_0"
+_CONTEXT = 15  # tokens already in the cache before the measured decode step
+
+
+class _PerShardLinearMethod(LinearMethod):
+    """The checkpoint's layout: one matmul per original projection, outputs concatenated."""
+
+    def __init__(self, shards: dict[str, tuple[int, int]]) -> None:
+        self.shards = shards
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        outs = [
+            F.linear(
+                x,
+                layer.weight.narrow(0, off, rows),
+                None if bias is None else bias.narrow(0, off, rows),
+            )
+            for off, rows in self.shards.values()
+        ]
+        return torch.cat(outs, dim=-1)
+
+
+def unfuse(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, Linear) and len(module.shards) > 1:
+            module.method = _PerShardLinearMethod(dict(module.shards))
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """The profiler's C++ side prints start/stop lines on fd 2; keep the report clean."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@torch.inference_mode()
+def decode_layer_ops(loaded: LoadedModel) -> int:
+    """Operators the first decoder layer dispatches in one decode step (torch.profiler)."""
+    runner = ModelRunner(loaded, CacheConfig(block_size=16, num_blocks=2), torch.device("cpu"))
+    seq = ScheduledSeq("probe", [1], _CONTEXT, [0, 1], do_sample=False)
+    inp = build_model_input([seq], runner.block_size, runner.device)
+    layer = loaded.model.model.layers[0]
+    scope: list[record_function] = []
+
+    def enter(*_: Any) -> None:
+        scope.append(record_function(_LAYER_RANGE))
+        scope[-1].__enter__()
+
+    def leave(*_: Any) -> None:
+        scope.pop().__exit__(None, None, None)
+
+    hooks = [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
+    try:
+        loaded.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)  # warm-up
+        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            loaded.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
+    finally:
+        for h in hooks:
+            h.remove()
+    ranges = [e for e in prof.events() if e.name == _LAYER_RANGE]
+    assert len(ranges) == 1, "the layer ran once under the profiler"
+    return sum(1 for c in ranges[0].cpu_children if c.name.startswith("aten::"))
+
+
+def weight_bytes(model: nn.Module, group_size: int) -> dict[str, int]:
+    """Bytes of every parameter per scheme, from the shapes (bf16 for what stays float)."""
+    totals = {"float32": 0, "bfloat16": 0, "int8": 0, "int4": 0}
+    linear_weights = {id(layer.weight): layer for _n, layer in quantizable_linears(model)}
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        totals["float32"] += 4 * n
+        totals["bfloat16"] += 2 * n
+        layer = linear_weights.get(id(p))
+        if layer is None:
+            totals["int8"] += 2 * n
+            totals["int4"] += 2 * n
+            continue
+        out_f, in_f = layer.out_features, layer.in_features
+        totals["int8"] += n + 2 * out_f  # int8 weight, one bf16 scale per row
+        if skip_reason("int4", layer, group_size) is None:
+            totals["int4"] += n // 2 + 4 * (in_f // group_size) * out_f  # bf16 scale + zero
+        else:
+            totals["int4"] += 2 * n
+    return totals
+
+
+def kv_capacity(cfg: ModelConfig, dtype: torch.dtype, budget: int, block_size: int = 16) -> int:
+    per_token = cfg.kv_bytes_per_token(dtype)
+    return budget // (per_token * block_size) * block_size
+
+
+def compile_with_report(
+    src: str, out: Path, opts: CompileOptions, kv_budget: str | int
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    manifest = compile_artifact(src, out, opts)
+    seconds = time.perf_counter() - t0
+    compiled = load_artifact(out, TrustPolicy(allow_unsigned=True))
+    reference = load_model(src, compiled.dtype if opts.quant != "none" else float_dtype(opts, None))
+    unfuse(reference.model)
+    budget = parse_memory(kv_budget)
+    return {
+        "artifact": str(out),
+        "version": manifest.short_version,
+        "quant": opts.quant,
+        "compile_seconds": seconds,
+        "decode_ops_per_layer": {
+            "checkpoint_layout": decode_layer_ops(reference),
+            "compiled": decode_layer_ops(compiled),
+        },
+        "weight_bytes": weight_bytes(reference.model, opts.group_size),
+        "kv_bytes_per_token": compiled.config.kv_bytes_per_token(compiled.dtype),
+        "kv_budget_bytes": budget,
+        "kv_capacity_tokens": kv_capacity(compiled.config, compiled.dtype, budget),
+    }
