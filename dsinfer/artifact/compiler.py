@@ -77,12 +77,10 @@ def _dedup_tied(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, st
 def _write_contents(
     tmp: Path, src: str, loaded: LoadedModel, opts: CompileOptions, dtype: torch.dtype
 ) -> Manifest:
-    kept: dict[str, str] = {}
+    exceptions: dict[str, str] = {}
     if opts.quant in ("int8", "int4"):
         # Quantised from the fp32 load; the scales and every float tensor left take `dtype`.
-        kept = quantize_model(loaded.model, opts.quant, opts.group_size, dtype)
-        for name, why in kept.items():
-            logger.warning("%s stays %s: %s", name, dtype, why)
+        exceptions = quantize_model(loaded.model, opts.quant, opts.group_size, dtype)
         for p in loaded.model.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(dtype)
@@ -95,7 +93,7 @@ def _write_contents(
         "scheme": opts.quant,
         "group_size": opts.group_size if opts.quant == "int4" else 0,
         "dtype": str(dtype).removeprefix("torch."),
-        "float_layers": sorted(kept),
+        "layer_formats": exceptions,  # layers not in `scheme`: int8 or float
         "tied": tied,
         "source": Path(src).name,
     }

@@ -33,7 +33,7 @@ def load_artifact(root: str | Path, policy: TrustPolicy, device: str = "cpu") ->
     cfg = config_from_dict(manifest.model_config)
     dtype = parse_dtype(quant["dtype"])
     net = build_model(cfg, dtype, device)
-    prepare_quantized(net, quant["scheme"], quant.get("group_size", 0), quant["float_layers"])
+    prepare_quantized(net, quant["scheme"], quant.get("group_size", 0), quant["layer_formats"])
     tensors = _read_tensors(root, manifest, device)
     missing, unexpected = net.load_state_dict(tensors, strict=False, assign=True)
     if missing or unexpected:

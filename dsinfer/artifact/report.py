@@ -25,7 +25,7 @@ from dsinfer.artifact.reader import load_artifact
 from dsinfer.artifact.verify import TrustPolicy
 from dsinfer.config import CacheConfig, ModelConfig, parse_memory
 from dsinfer.layers.linear import Linear, LinearMethod
-from dsinfer.layers.quant import quantizable_linears, skip_reason
+from dsinfer.layers.quant import layer_format, quantizable_linears
 from dsinfer.models.loader import LoadedModel, load_model
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.model_runner import ModelRunner
@@ -102,28 +102,27 @@ def decode_layer_ops(loaded: LoadedModel) -> int:
 
 
 def weight_bytes(model: nn.Module, group_size: int) -> dict[str, int]:
-    """Bytes of every parameter per scheme, from the shapes (bf16 for what stays float)."""
+    """Bytes of the weights per scheme, from the shapes (bf16 for whatever stays float).
+
+    A quantised head that was tied keeps its own copy: the embedding stays float."""
     totals = {"float32": 0, "bfloat16": 0, "int8": 0, "int4": 0}
-    linear_weights = {id(layer.weight): layer for _n, layer in quantizable_linears(model)}
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        n = p.numel()
-        totals["float32"] += 4 * n
-        totals["bfloat16"] += 2 * n
-        layer = linear_weights.get(id(p))
-        if layer is None:
-            totals["int8"] += 2 * n
-            totals["int4"] += 2 * n
-            continue
-        out_f, in_f = layer.out_features, layer.in_features
-        totals["int8"] += n + 2 * out_f  # int8 weight, one bf16 scale per row
-        if skip_reason("int4", layer, group_size) is None:
-            totals["int4"] += n // 2 + 4 * (in_f // group_size) * out_f  # bf16 scale + zero
-        else:
-            totals["int4"] += 2 * n
+    params = {id(p): p for p in model.parameters()}  # tied tensors once
+    for p in params.values():
+        totals["float32"] += 4 * p.numel()
+        totals["bfloat16"] += 2 * p.numel()
+    linears = [layer for _n, layer in quantizable_linears(model)]
+    quantised_ids = {id(layer.weight) for layer in linears if not getattr(layer, "tied", False)}
+    floats = sum(2 * p.numel() for i, p in params.items() if i not in quantised_ids)
+    totals["int8"] = totals["int4"] = floats
+    size = {
+        "int8": lambda o, i: o * i + 2 * o,  # int8 weight, one bf16 scale per row
+        "int4": lambda o, i: o * i // 2 + 4 * (i // group_size) * o,  # bf16 scale + zero
+        "float": lambda o, i: 2 * o * i,
+    }
+    for layer in linears:
+        for scheme in ("int8", "int4"):
+            fmt, _why = layer_format(scheme, layer, group_size)
+            totals[scheme] += size[fmt](layer.out_features, layer.in_features)
     return totals
 
 

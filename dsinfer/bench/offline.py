@@ -12,6 +12,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from dsinfer.bench.serve import WORDS
 
@@ -23,6 +24,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128, help="prompt length in words")
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--artifact",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also run dsinfer on this compiled artifact (repeatable; label: its scheme)",
+    )
     p.add_argument("--json", default=None, metavar="OUT")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
@@ -105,48 +113,64 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _jobs(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
+    """(engine, dtype label, worker dtype, model) for every run, checkpoints then artifacts."""
+    jobs = [
+        (engine, dtype, dtype, args.model)
+        for dtype in args.dtypes.split(",")
+        if dtype
+        for engine in args.engines.split(",")
+        if engine
+    ]
+    for path in args.artifact:
+        from dsinfer.artifact.manifest import read_manifest
+
+        scheme = read_manifest(Path(path)).quantization["scheme"]
+        jobs.append(("dsinfer", f"art:{scheme}", "auto", path))
+    return jobs
+
+
 def run_cli(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(args)
     rows = []
-    for dtype in args.dtypes.split(","):
-        for engine in args.engines.split(","):
-            cmd = [
-                sys.executable,
-                "-m",
-                "dsinfer.cli",
-                "bench",
-                "offline",
-                "--worker",
-                f"{engine}:{dtype}",
-                "--model",
-                args.model,
-                "--batch",
-                str(args.batch),
-                "--input-len",
-                str(args.input_len),
-                "--output-len",
-                str(args.output_len),
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                print(f"{engine} {dtype}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-                return 1
-            r = json.loads(line[7:])
-            r.update(
-                engine=engine,
-                dtype=dtype,
-                single_tok_s=args.output_len / r["single_s"],
-                batch_tok_s=args.batch * args.output_len / r["batch_s"],
-            )
-            rows.append(r)
-            print(
-                f"{engine:13s} {dtype:9s} single {r['single_tok_s']:7.1f} tok/s   "
-                f"batch{args.batch} {r['batch_tok_s']:7.1f} tok/s   "
-                f"peak RSS {r['peak_rss_mib']:7.0f} MiB   load {r['load_s']:.1f}s",
-                flush=True,
-            )
+    for engine, label, dtype, model in _jobs(args):
+        cmd = [
+            sys.executable,
+            "-m",
+            "dsinfer.cli",
+            "bench",
+            "offline",
+            "--worker",
+            f"{engine}:{dtype}",
+            "--model",
+            model,
+            "--batch",
+            str(args.batch),
+            "--input-len",
+            str(args.input_len),
+            "--output-len",
+            str(args.output_len),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{engine} {label}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        r = json.loads(line[7:])
+        r.update(
+            engine=engine,
+            dtype=label,
+            single_tok_s=args.output_len / r["single_s"],
+            batch_tok_s=args.batch * args.output_len / r["batch_s"],
+        )
+        rows.append(r)
+        print(
+            f"{engine:13s} {label:9s} single {r['single_tok_s']:7.1f} tok/s   "
+            f"batch{args.batch} {r['batch_tok_s']:7.1f} tok/s   "
+            f"peak RSS {r['peak_rss_mib']:7.0f} MiB   load {r['load_s']:.1f}s",
+            flush=True,
+        )
     by = {(r["engine"], r["dtype"]): r for r in rows}
     for dtype in args.dtypes.split(","):
         a, b = by.get(("dsinfer", dtype)), by.get(("transformers", dtype))
@@ -156,6 +180,15 @@ def run_cli(args: argparse.Namespace) -> int:
                 f"{a['single_tok_s'] / b['single_tok_s']:.2f}x, batch "
                 f"{a['batch_tok_s'] / b['batch_tok_s']:.2f}x, peak RSS "
                 f"{a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x"
+            )
+    ref = by.get(("transformers", "bfloat16")) or by.get(("transformers", "float32"))
+    for r in rows:
+        if ref and r["dtype"].startswith("art:"):
+            print(
+                f"ratio {r['dtype']}/transformers {ref['dtype']}: single "
+                f"{r['single_tok_s'] / ref['single_tok_s']:.2f}x, batch "
+                f"{r['batch_tok_s'] / ref['batch_tok_s']:.2f}x, peak RSS "
+                f"{r['peak_rss_mib'] / ref['peak_rss_mib']:.2f}x"
             )
     if args.json:
         with open(args.json, "w") as f:

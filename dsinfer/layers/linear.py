@@ -46,6 +46,9 @@ def default_weight_loader(
 class Linear(nn.Module):
     """y = x Wᵀ + b over one weight, or over several row shards fused into one matmul."""
 
+    # Layers whose error reaches the output undamped (the LM head) get more bits.
+    quant_sensitive = False
+
     def __init__(
         self,
         in_features: int,

@@ -13,11 +13,14 @@ kernel, where it reads a quarter of the fp32 bytes.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from dsinfer.layers.linear import Linear, LinearMethod
 
+logger = logging.getLogger(__name__)
 SCHEMES = ("none", "bf16", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # Rows at which widening the int8 weight beats the packed kernel (measured crossover ~12).
@@ -131,38 +134,54 @@ def quantizable_linears(model: nn.Module) -> list[tuple[str, Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and m.quantizable]
 
 
-def skip_reason(scheme: str, layer: Linear, group_size: int) -> str | None:
+def layer_format(scheme: str, layer: Linear, group_size: int) -> tuple[str, str]:
+    """(format, why) for one layer under `scheme`: the scheme itself, int8, or float.
+
+    The LM head takes int8 under int4: measured on SmolLM2, an int4 head raises perplexity
+    by 10.9% against 0.0% with an int8 head, for 14 MiB."""
+    if scheme == "int4" and layer.quant_sensitive:
+        return "int8", "quantisation-sensitive layer keeps 8 bits"
     if scheme == "int4":
-        return int4_unsupported_reason(layer.out_features, layer.in_features, group_size)
-    return None
+        reason = int4_unsupported_reason(layer.out_features, layer.in_features, group_size)
+        if reason is not None:
+            return "float", reason
+    return scheme, ""
+
+
+def _apply_format(layer: Linear, fmt: str, group_size: int, dtype: torch.dtype) -> None:
+    if fmt == "int8":
+        tensors = quantize_int8(layer.weight, dtype)
+    else:
+        tensors = quantize_int4(layer.weight, group_size, dtype)
+    layer.set_method(quant_method(fmt, group_size))  # type: ignore[arg-type]
+    for key, value in tensors.items():
+        getattr(layer, key).data = value
 
 
 @torch.no_grad()
 def quantize_model(
     model: nn.Module, scheme: str, group_size: int, dtype: torch.dtype
 ) -> dict[str, str]:
-    """Quantise every eligible Linear in place; returns {layer: why it stayed float}."""
-    kept: dict[str, str] = {}
+    """Quantise every eligible Linear in place; returns {layer: format} where it is not
+    `scheme` (the artifact records these so the runtime rebuilds the same layout)."""
+    exceptions: dict[str, str] = {}
     for name, layer in quantizable_linears(model):
-        reason = skip_reason(scheme, layer, group_size)
-        if reason is not None:
-            kept[name] = reason
-            continue
-        if scheme == "int8":
-            tensors = quantize_int8(layer.weight, dtype)
-        else:
-            tensors = quantize_int4(layer.weight, group_size, dtype)
-        layer.set_method(quant_method(scheme, group_size))  # type: ignore[arg-type]
-        for key, value in tensors.items():
-            getattr(layer, key).data = value
-    return kept
+        fmt, why = layer_format(scheme, layer, group_size)
+        if fmt != scheme:
+            exceptions[name] = fmt
+            logger.info("%s: %s (%s)", name, fmt, why)
+        if fmt != "float":
+            _apply_format(layer, fmt, group_size, dtype)
+    return exceptions
 
 
-def prepare_quantized(model: nn.Module, scheme: str, group_size: int, kept: list[str]) -> None:
+def prepare_quantized(
+    model: nn.Module, scheme: str, group_size: int, exceptions: dict[str, str]
+) -> None:
     """Give the model an artifact's parameter layout before its tensors are assigned."""
-    method = quant_method(scheme, group_size)
-    if method is None:
+    if scheme not in ("int8", "int4"):
         return
     for name, layer in quantizable_linears(model):
-        if name not in kept:
-            layer.set_method(quant_method(scheme, group_size))  # type: ignore[arg-type]
+        method = quant_method(exceptions.get(name, scheme), group_size)
+        if method is not None:
+            layer.set_method(method)

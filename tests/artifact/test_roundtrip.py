@@ -40,7 +40,7 @@ def test_quantised_smollm2_artifacts_answer(smol_artifacts, keys, quant):
 
 def test_quantised_artifacts_are_smaller(smol_artifacts):
     sizes = {q: sum(f.size for f in read_manifest(p).files) for q, p in smol_artifacts.items()}
-    assert sizes["int8"] < 0.35 * sizes["none"]
+    assert sizes["int8"] < 0.4 * sizes["none"]  # the embedding stays bf16
     assert sizes["int4"] < 0.8 * sizes["int8"]
 
 
