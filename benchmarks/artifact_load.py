@@ -33,10 +33,12 @@ def main() -> int:
     p.add_argument("--model", default="smollm2", help="the checkpoint loaded directly")
     p.add_argument("--artifact", action="append", default=[])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--trusted-key", default=None, help="verify signatures as `serve` would")
     args = p.parse_args()
     runs = [(f"{args.model} fp32 (direct)", args.model, ["--dtype", "float32"])]
     runs.append((f"{args.model} bf16 (direct)", args.model, ["--dtype", "bfloat16"]))
-    runs += [(f"artifact {a}", a, ["--allow-unsigned"]) for a in args.artifact]
+    trust = ["--trusted-key", args.trusted_key] if args.trusted_key else ["--allow-unsigned"]
+    runs += [(f"artifact {a}", a, trust) for a in args.artifact]
     results = {}
     for label, model, extra in runs:
         time_to_first_token(model, extra)  # warm the page cache

@@ -64,3 +64,18 @@ def test_compile_report_is_measured(tmp_path, tiny_src, capsys):
     per_token = report["kv_bytes_per_token"]
     assert per_token == 2 * 2 * 2 * 8 * 2  # K and V × layers × kv heads × head dim × bf16
     assert report["kv_capacity_tokens"] == (1 << 20) // (per_token * 16) * 16
+
+
+def test_openssf_tool_verifies_our_signature(tiny_artifacts, keys, other_keys):
+    import subprocess
+    import sys
+
+    art = tiny_artifacts["int4"]
+
+    def verify(pub) -> int:  # noqa: ANN001
+        cmd = [sys.executable, "-m", "model_signing", "verify", "key", str(art)]
+        cmd += ["--signature", str(art / "model.sig"), "--public_key", str(pub)]
+        return subprocess.run(cmd, capture_output=True).returncode
+
+    assert verify(keys[1]) == 0
+    assert verify(other_keys[1]) != 0
