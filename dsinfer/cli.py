@@ -35,6 +35,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "also DSINFER_TRUSTED_KEYS)",
     )
     p.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help="do not use a DeepSeek-V3 checkpoint's MTP layer for speculative decoding",
+    )
+    p.add_argument(
         "--allow-unsigned",
         action="store_true",
         help="opt out of the trust policy: load unsigned artifacts and raw checkpoints",
@@ -51,6 +56,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         random_weights=args.random_weights,
         trusted_keys=tuple(args.trusted_key),
         allow_unsigned=args.allow_unsigned,
+        mtp=not args.no_mtp,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),

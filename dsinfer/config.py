@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,13 +73,26 @@ class ModelConfig:
     checkpoint_dtype: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
+    @property
+    def num_mtp_layers(self) -> int:
+        """Multi-token-prediction layers in use (DeepSeek-V3 checkpoints that carry them)."""
+        return int(self.extra.get("mtp_layers", 0))
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers with a KV cache: the decoder layers plus any MTP layer."""
+        return self.num_layers + self.num_mtp_layers
+
+    def with_mtp(self, layers: int) -> ModelConfig:
+        return dataclasses.replace(self, extra={**self.extra, "mtp_layers": layers})
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V that one token occupies across all layers."""
+        """Bytes of K and V that one token occupies across all cached layers."""
         elem = torch.tensor([], dtype=dtype).element_size()
         if "kv_lora_rank" in self.extra:  # MLA: one latent plus one rope key per token and layer
             latent = self.extra["kv_lora_rank"] + self.extra["qk_rope_head_dim"]
-            return self.num_layers * latent * elem
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+            return self.num_cache_layers * latent * elem
+        return 2 * self.num_cache_layers * self.num_kv_heads * self.head_dim * elem
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +128,8 @@ class EngineConfig:
     # DSINFER_TRUSTED_KEYS); allow_unsigned is the explicit opt-out.
     trusted_keys: tuple[str, ...] = ()
     allow_unsigned: bool = False
+    # Self-speculative decoding with a DeepSeek-V3 checkpoint's MTP layer, when it has one.
+    mtp: bool = True
 
 
 def parse_memory(text: str | int) -> int:

@@ -81,6 +81,12 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def allows_speculation(self) -> bool:
+        """Drafted tokens can be verified exactly: plain greedy, nothing that looks at tokens
+        one at a time (penalties, logprobs, stop strings)."""
+        return self.greedy and not self.needs_penalties and self.logprobs is None and not self.stop
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

@@ -19,6 +19,7 @@ def load_model_source(
     device: str = "cpu",
     random_weights: bool = False,
     seed: int = 0,
+    enable_mtp: bool = True,
 ) -> LoadedModel:
     if is_artifact(model):
         if random_weights:
@@ -32,4 +33,4 @@ def load_model_source(
             "is not a signed artifact: compile and sign it (dsinfer compile … --sign-key KEY), "
             "or pass --allow-unsigned"
         )
-    return load_model(model, dtype, device, random_weights, seed)
+    return load_model(model, dtype, device, random_weights, seed, enable_mtp)

@@ -39,6 +39,7 @@ class LLM:
         random_weights: bool = False,
         trusted_keys: tuple[str, ...] | list[str] = (),
         allow_unsigned: bool = False,
+        mtp: bool = True,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -49,6 +50,7 @@ class LLM:
             random_weights=random_weights,
             trusted_keys=tuple(str(k) for k in trusted_keys),
             allow_unsigned=allow_unsigned,
+            mtp=mtp,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=parse_memory(kv_cache_memory),

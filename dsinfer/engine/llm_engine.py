@@ -39,7 +39,13 @@ class LLMEngine:
         device = resolve_device(config.device)
         policy = TrustPolicy.from_options(config.trusted_keys, config.allow_unsigned)
         loaded = load_model_source(
-            config.model, policy, config.dtype, str(device), config.random_weights, config.seed
+            config.model,
+            policy,
+            config.dtype,
+            str(device),
+            config.random_weights,
+            config.seed,
+            enable_mtp=config.mtp,
         )
         self.model_config = loaded.config
         self.dtype = loaded.dtype
@@ -51,7 +57,7 @@ class LLMEngine:
         )
         self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
         logger.info("KV cache: %d bytes per token (%s)", self.kv_bytes_per_token, loaded.dtype)
-        self.executor = UniprocExecutor(loaded, config.cache, device, config.seed)
+        self.executor = UniprocExecutor(loaded, config.cache, device, config.seed, config.mtp)
         self.block_size = config.cache.block_size
         self.max_model_len = min(
             loaded.config.max_position_embeddings,
@@ -164,6 +170,8 @@ class LLMEngine:
             finished_time=time.monotonic() if finished else None,
             num_cached_tokens=req.num_cached_prompt_tokens,
             num_preemptions=req.num_preemptions,
+            num_draft_tokens=req.num_draft_tokens,
+            num_accepted_draft_tokens=req.num_accepted_draft_tokens,
         )
         return RequestOutput(
             request_id=req.request_id,

@@ -44,6 +44,10 @@ class Request:
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     stop_reason: int | str | None = None
     first_token_time: float | None = None
+    # Self-speculative decoding: drafts for the next step, and how many were checked/accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -46,6 +46,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._orphans: list[Request] = []
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative drafts verified, all requests
+        self.num_accepted_draft_tokens = 0
 
     # -- admission --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -87,13 +89,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_draft = self._num_draft(req, num_new, budget)
             n_running = len(self.running)
-            ok = self._allocate_or_preempt(req, num_new)
+            ok = self._allocate_or_preempt(req, num_new + num_draft)
             preempted = preempted or len(self.running) < n_running
             if not ok:
                 break
-            seqs.append(self._slice(req, num_new))
-            budget -= num_new
+            seqs.append(self._slice(req, num_new, num_draft))
+            budget -= num_new + num_draft
             i += 1
 
         while (
@@ -145,7 +148,18 @@ class Scheduler:
                 return False
         return True
 
+    @staticmethod
+    def _num_draft(req: Request, num_new: int, budget: int) -> int:
+        """Drafts to verify with this decode step: all of them when the step is a plain decode,
+        the budget has room and the request may still emit them all."""
+        n = len(req.draft_token_ids)
+        if not n or num_new != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            return 0
+        room = req.max_tokens - len(req.output_token_ids)
+        return n if num_new + n <= budget and room > n else 0
+
     def _preempt(self, req: Request) -> None:
+        req.draft_token_ids = []
         req.status = RequestStatus.PREEMPTED
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -153,7 +167,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _slice(self, req: Request, num_new: int) -> ScheduledSeq:
+    def _slice(self, req: Request, num_new: int, num_draft: int = 0) -> ScheduledSeq:
         start = req.num_computed_tokens
         end = start + num_new
         want_plp = (
@@ -163,15 +177,44 @@ class Scheduler:
         )
         return ScheduledSeq(
             req_id=req.request_id,
-            token_ids=req.all_token_ids[start:end],
+            token_ids=req.all_token_ids[start:end] + req.draft_token_ids[:num_draft],
             start_pos=start,
             block_table=list(self.kv.block_table(req)),
             do_sample=end == req.num_tokens,
             want_prompt_logprobs=want_plp,
             prompt_len=req.num_prompt_tokens,
+            num_draft=num_draft,
+            next_token_id=req.all_token_ids[end] if end < req.num_tokens else None,
         )
 
     # -- results ------------------------------------------------------------------------------
+    def _append_sampled(
+        self, req: Request, seq: ScheduledSeq, result: ModelRunnerOutput, now: float
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Append the sampled token, then any tokens that verified drafts allow, stopping at the
+        first finish; each token after the first means its draft was right (KV valid)."""
+        tokens = [result.sampled[seq.req_id], *result.bonus.get(seq.req_id, [])]
+        appended: list[int] = []
+        status = None
+        for tok in tokens:
+            if appended:
+                req.num_computed_tokens += 1  # the draft at this position was accepted
+            req.append_token(tok)
+            appended.append(tok)
+            status = req.check_stop_token()
+            if status is not None:
+                break
+        if seq.req_id in result.logprobs:
+            req.logprobs.append(result.logprobs[seq.req_id])
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.num_draft_tokens += seq.num_draft
+        req.num_accepted_draft_tokens += len(appended) - 1
+        self.num_draft_tokens += seq.num_draft
+        self.num_accepted_draft_tokens += len(appended) - 1
+        req.draft_token_ids = [] if status is not None else result.drafts.get(seq.req_id, [])
+        return appended, status
+
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[StepUpdate]:
         updates: list[StepUpdate] = []
         now = time.monotonic()
@@ -179,8 +222,7 @@ class Scheduler:
             req = self.requests.get(seq.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted since it was scheduled
-            req.num_computed_tokens += len(seq.token_ids)
-            self.kv.cache_full_blocks(req)
+            req.num_computed_tokens += len(seq.token_ids) - seq.num_draft
             for pos, lp in result.prompt_logprobs.get(seq.req_id, []):
                 req.prompt_logprobs.setdefault(pos, lp)
             new_tokens: list[int] = []
@@ -189,14 +231,8 @@ class Scheduler:
                 if req.max_tokens <= 0:
                     status = RequestStatus.FINISHED_LENGTH
                 else:
-                    tok = result.sampled[seq.req_id]
-                    req.append_token(tok)
-                    if seq.req_id in result.logprobs:
-                        req.logprobs.append(result.logprobs[seq.req_id])
-                    if req.first_token_time is None:
-                        req.first_token_time = now
-                    new_tokens.append(tok)
-                    status = req.check_stop_token()
+                    new_tokens, status = self._append_sampled(req, seq, result, now)
+            self.kv.cache_full_blocks(req)  # after the tokens: it hashes computed blocks
             if status is not None:
                 self.running.remove(req)
                 req.status = status

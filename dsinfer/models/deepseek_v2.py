@@ -22,11 +22,14 @@ from dsinfer.layers.linear import Linear
 from dsinfer.layers.moe import DeepseekMoE, MoEConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, apply_rotary, yarn_mscale
+from dsinfer.models.deepseek_mtp import build_mtp_layer, map_mtp_name, mtp_forward
 from dsinfer.models.llama import LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
 Rope = tuple[torch.Tensor, torch.Tensor]
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(
+    r"^((?:model\.layers\.\d+|mtp)\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
+)
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -139,10 +142,46 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
         self._mtp_prefix = f"model.layers.{cfg.num_layers}."
+        # The multi-token-prediction layer, when the checkpoint carries it and it is enabled.
+        self.mtp = build_mtp_layer(cfg, DeepseekDecoderLayer) if cfg.num_mtp_layers else None
+
+    @classmethod
+    def configure_for_checkpoint(cls, cfg: ModelConfig, names: set[str] | None) -> ModelConfig:
+        """Enable the MTP layer only when the checkpoint has its weights (names None: random
+        weights, which have whatever the config describes)."""
+        prefix = f"model.layers.{cfg.num_layers}."
+        wanted = cfg.extra.get("num_nextn_predict_layers", 0) > 0
+        has = names is None or any(n.startswith(prefix) for n in names)
+        return cfg.with_mtp(1 if wanted and has else 0)
+
+    def mtp_hidden(
+        self,
+        next_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """[T] next tokens and [T, hidden] main-model states → MTP states for draft logits."""
+        assert self.mtp is not None
+        embeds = self.model.embed_tokens(next_ids)
+        rope = self.model.rotary.cos_sin(positions, embeds.dtype)
+        return mtp_forward(self.mtp, embeds, hidden, rope, kv_caches[self.config.num_layers], meta)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
         if name.startswith(self._mtp_prefix):
-            return "", None  # the MTP layer: not used yet (self-speculation is future work)
+            if self.mtp is None:
+                return "", None  # MTP off (or not wanted): its weights are not loaded
+            mapped = map_mtp_name(name, self._mtp_prefix)
+            if mapped is None:
+                return "", None
+            name = mapped
+            if _EXPERT.match(name) is None:
+                parts = name.split(".")
+                if parts[-2] in self.packed_modules:  # the shared experts' gate|up
+                    module, shard = self.packed_modules[parts[-2]]
+                    return ".".join([*parts[:-2], module, parts[-1]]), shard
+                return name, None
         m = _EXPERT.match(name)
         if m is None:
             return None

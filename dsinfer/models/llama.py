@@ -120,7 +120,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.cos_sin(positions, x.dtype)
         residual = None
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+        # kv_caches may hold one more layer than the model's: the MTP layer's (DeepSeek-V3).
+        for layer, cache in zip(
+            self.model.layers, kv_caches[: len(self.model.layers)], strict=True
+        ):
             x, residual = layer(x, residual, rope, cache, meta)
         x, _ = self.model.norm(x, residual)
         return x

@@ -71,12 +71,24 @@ def read_model_config(path: Path) -> ModelConfig:
     return config_from_hf(json.loads((path / "config.json").read_text()))
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return sorted(p.name for p in path.glob("*.safetensors"))
+
+
+def checkpoint_names(path: Path) -> set[str]:
+    """Tensor names of an HF checkpoint, from the headers only."""
+    names: set[str] = set()
+    for fname in safetensors_files(path):
+        with safe_open(str(path / fname), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = safetensors_files(path)
     if not files:
         raise ValueError(f"no *.safetensors files in {path}; convert .bin checkpoints first")
     for fname in files:
@@ -186,11 +198,17 @@ def load_model(
     device: str = "cpu",
     random_weights: bool = False,
     seed: int = 0,
+    enable_mtp: bool = True,
 ) -> LoadedModel:
-    """Build the model for `model` and load its weights (or seeded random ones)."""
+    """Build the model for `model` and load its weights (or seeded random ones).
+
+    `enable_mtp`: load a DeepSeek-V3 checkpoint's multi-token-prediction layer when present."""
     t0 = time.perf_counter()
     path = resolve_model_path(model, config_only=random_weights)
     cfg = read_model_config(path)
+    configure = getattr(model_class(cfg.architecture), "configure_for_checkpoint", None)
+    if configure is not None and enable_mtp and not path.is_file():
+        cfg = configure(cfg, None if random_weights else checkpoint_names(path))
     tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)
     net = build_model(cfg, tdtype, device)  # parameters in the target dtype: no fp32 copy
     if random_weights:

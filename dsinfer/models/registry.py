@@ -118,4 +118,5 @@ def _deepseek_extra(cfg: dict[str, Any]) -> dict[str, Any]:
         # transformers' V2 router never renormalises; V3 follows the config.
         "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) and v3,
         "score_correction_bias": topk_method == "noaux_tc",
+        "num_nextn_predict_layers": int(cfg.get("num_nextn_predict_layers") or 0),
     }

@@ -78,6 +78,7 @@ async def _full(served, body, ids, prompt_text, all_params, rid, timing) -> dict
         c = out.outputs[0]
         timing.tokens(len(c.delta_token_ids))
         st = choices[i]
+        st.track(out)
         st.text, st.token_ids, st.finish_reason = c.text, c.token_ids, c.finish_reason
         st.logprobs = c.logprobs or []
     timing.done()
@@ -100,7 +101,7 @@ async def _full(served, body, ids, prompt_text, all_params, rid, timing) -> dict
 
 
 def _usage(n_prompt: int, choices: list[ChoiceState]) -> dict:
-    return usage(n_prompt, sum(len(c.token_ids) for c in choices))
+    return usage(n_prompt, sum(len(c.token_ids) for c in choices), choices)
 
 
 async def _stream(served, body, ids, prompt_text, all_params, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
@@ -125,6 +126,7 @@ async def _stream(served, body, ids, prompt_text, all_params, rid, timing) -> As
             c = out.outputs[0]
             timing.tokens(len(c.delta_token_ids))
             st = states[i]
+            st.track(out)
             st.token_ids = c.token_ids
             new_lps = (c.logprobs or [])[len(st.logprobs) :]
             st.logprobs = c.logprobs or []

@@ -79,9 +79,11 @@ def _choice_logprobs(served, body, ids, out, st: ChoiceState) -> dict | None:  #
 
 async def _full(served, body, jobs, rid, timing) -> dict:  # noqa: ANN001
     choices_out: list[dict] = []
+    all_states: list[ChoiceState] = []
     n_prompt = n_out = 0
     for p_index, ids, all_params in jobs:
         states = [ChoiceState(i) for i in range(len(all_params))]
+        all_states += states
         last = {}
         async for i, out in fan_out(served, ids, all_params, f"{rid}-{p_index}"):
             c = out.outputs[0]
@@ -89,6 +91,7 @@ async def _full(served, body, jobs, rid, timing) -> dict:  # noqa: ANN001
             st = states[i]
             st.text, st.token_ids, st.finish_reason = c.text, c.token_ids, c.finish_reason
             st.logprobs = c.logprobs or []
+            st.track(out)
             last[i] = out
         n_prompt += len(ids)
         for st in states:
@@ -111,7 +114,7 @@ async def _full(served, body, jobs, rid, timing) -> dict:  # noqa: ANN001
         "created": served.created,
         "model": served.name,
         "choices": choices_out,
-        "usage": usage(n_prompt, n_out),
+        "usage": usage(n_prompt, n_out, all_states),
     }
 
 
@@ -132,6 +135,7 @@ async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[s
             c = out.outputs[0]
             timing.tokens(len(c.delta_token_ids))
             st = states[i]
+            st.track(out)
             new_lps = (c.logprobs or [])[len(st.logprobs) :]
             st.logprobs, st.token_ids = c.logprobs or [], c.token_ids
             if c.delta_text or new_lps:
@@ -152,5 +156,5 @@ async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[s
     timing.done()
     if include_usage:
         n_out = sum(len(s.token_ids) for s in states)
-        yield chunk([], usage(len(ids), n_out))
+        yield chunk([], usage(len(ids), n_out, states))
     yield "data: [DONE]\n\n"

@@ -114,6 +114,11 @@ class ServerMetrics:
         self.kv_usage = Gauge("dsinfer_kv_cache_usage_perc", "KV pool usage, 0..1", m)
         self.prefix_hit = Gauge("dsinfer_prefix_cache_hit_rate", "Prefix-cache block hit rate", m)
         self.preemptions = Gauge("dsinfer_num_preemptions_total", "Preemptions so far", m)
+        self.drafts = Gauge("dsinfer_spec_draft_tokens_total", "Speculative drafts verified", m)
+        self.accepted = Gauge("dsinfer_spec_accepted_tokens_total", "Drafts accepted", m)
+        self.acceptance = Gauge(
+            "dsinfer_spec_acceptance_rate", "Accepted / verified drafts so far (MTP)", m
+        )
 
     def update_engine(self, model: str, engine) -> None:  # noqa: ANN001 (an LLMEngine)
         s, pool = engine.scheduler, engine.pool
@@ -124,6 +129,10 @@ class ServerMetrics:
         self.kv_usage.set(pool.num_used / pool.num_blocks, model)
         self.prefix_hit.set(pool.hits / pool.queries if pool.queries else 0.0, model)
         self.preemptions.set(s.num_preemptions, model)
+        self.drafts.set(s.num_draft_tokens, model)
+        self.accepted.set(s.num_accepted_draft_tokens, model)
+        rate = s.num_accepted_draft_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0
+        self.acceptance.set(rate, model)
 
     def render(self) -> str:
         parts: list[str] = []

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,12 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    drafts: tuple[int, int] = (0, 0)  # speculative drafts (verified, accepted)
+
+    def track(self, out: RequestOutput) -> None:
+        """Take the per-request figures every delta carries."""
+        if out.metrics is not None:
+            self.drafts = (out.metrics.num_draft_tokens, out.metrics.num_accepted_draft_tokens)
 
 
 class Timing:
@@ -128,8 +134,19 @@ async def fan_out(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def usage(n_prompt: int, n_out: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+def usage(n_prompt: int, n_out: int, choices: Sequence[ChoiceState] = ()) -> dict:
+    """OpenAI usage; with speculative decoding, the drafts the model verified appear as
+    completion_tokens_details accepted/rejected_prediction_tokens (OpenAI's names for
+    predicted-output tokens)."""
+    out = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    drafted = sum(c.drafts[0] for c in choices)
+    if drafted:
+        accepted = sum(c.drafts[1] for c in choices)
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return out
 
 
 def chunker(kind: str, served: ServedModel, rid: str, include_usage: bool):  # noqa: ANN201

@@ -12,9 +12,14 @@ from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 class UniprocExecutor:
     def __init__(
-        self, loaded: LoadedModel, cache: CacheConfig, device: torch.device, seed: int = 0
+        self,
+        loaded: LoadedModel,
+        cache: CacheConfig,
+        device: torch.device,
+        seed: int = 0,
+        speculative: bool = True,
     ) -> None:
-        self.runner = ModelRunner(loaded, cache, device, seed)
+        self.runner = ModelRunner(loaded, cache, device, seed, speculative)
 
     @property
     def num_blocks(self) -> int:

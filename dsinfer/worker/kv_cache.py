@@ -35,7 +35,7 @@ def allocate_kv_cache(
         width = model.extra["kv_lora_rank"] + model.extra["qk_rope_head_dim"]
         caches = [
             (torch.zeros((n, cache.block_size, width), dtype=dtype, device=device),)
-            for _ in range(model.num_layers)
+            for _ in range(model.num_cache_layers)
         ]
     else:
         shape = (n, model.num_kv_heads, cache.block_size, model.head_dim)
@@ -44,7 +44,7 @@ def allocate_kv_cache(
                 torch.zeros(shape, dtype=dtype, device=device),
                 torch.zeros(shape, dtype=dtype, device=device),
             )
-            for _ in range(model.num_layers)
+            for _ in range(model.num_cache_layers)
         ]
     logger.info(
         "KV pool: %d blocks × %d tokens = %d tokens, %.1f MiB",

@@ -15,6 +15,7 @@ from dsinfer.models.loader import LoadedModel
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.kv_cache import allocate_kv_cache
 from dsinfer.worker.sampler import Sampler, SamplerState, prompt_logprob_entries
+from dsinfer.worker.spec_decode import MTPDrafter, sample_rows, verify_greedy
 from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,12 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, cache: CacheConfig, device: torch.device, seed: int = 0
+        self,
+        loaded: LoadedModel,
+        cache: CacheConfig,
+        device: torch.device,
+        seed: int = 0,
+        speculative: bool = True,
     ) -> None:
         self.model = loaded.model
         self.config = loaded.config
@@ -33,6 +39,12 @@ class ModelRunner:
             loaded.config, cache, loaded.dtype, device
         )
         self.sampler = Sampler()
+        # Self-speculative decoding with the model's MTP layer, when it has one and it is on.
+        self.drafter = (
+            MTPDrafter(self.model, self.kv_caches)
+            if speculative and getattr(self.model, "mtp", None) is not None
+            else None
+        )
         self.states: dict[str, SamplerState] = {}
         # Unseeded requests draw their generator seeds from this stream: runs are reproducible.
         self._seed_stream = torch.Generator().manual_seed(seed)
@@ -58,7 +70,8 @@ class ModelRunner:
 
         sample_idx = [i for i, s in enumerate(inp.seqs) if s.do_sample]
         if sample_idx:
-            rows = torch.tensor([inp.last_rows[i] for i in sample_idx], device=self.device)
+            row_of = sample_rows(inp)
+            rows = torch.tensor([row_of[i] for i in sample_idx], device=self.device)
             logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
             states = [self.states[inp.seqs[i].req_id] for i in sample_idx]
             tokens, lps = self.sampler(logits, states)
@@ -68,6 +81,12 @@ class ModelRunner:
                 st.output_token_ids.append(tok)
                 if lp is not None:
                     result.logprobs[rid] = lp
+            verify_greedy(self.model, hidden, inp, result)
+            for rid, extra in result.bonus.items():
+                self.states[rid].output_token_ids.extend(extra)
+        if self.drafter is not None:
+            wants = {s.req_id for s in inp.seqs if self.states[s.req_id].params.allows_speculation}
+            self.drafter.propose(inp, hidden, result, wants)
         self._prompt_logprobs(inp, hidden, result)
         return result
 

@@ -31,6 +31,11 @@ class ScheduledSeq:
     do_sample: bool
     want_prompt_logprobs: bool = False
     prompt_len: int = 0
+    # Speculative decoding: the last `num_draft` of token_ids are drafts to verify.
+    num_draft: int = 0
+    # The known token after this slice (a prompt chunk that is not the last): the MTP layer
+    # needs token i+1 at position i.
+    next_token_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,10 @@ class TokenLogprobs:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
+    # Tokens after `sampled` that verified drafts let this step emit too (greedy).
+    bonus: dict[str, list[int]] = field(default_factory=dict)
+    # Draft tokens proposed for each request's next step (MTP).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # req_id -> [(position of the predicted prompt token, its logprobs)]
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)

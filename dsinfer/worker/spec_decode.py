@@ -1,0 +1,89 @@
+"""Self-speculative decoding on the worker: verify drafts greedily, propose the next ones.
+
+A step may carry, for a decode, draft tokens after the real last token: [t_n, d_{n+1}, …]. The
+main model runs them as one small chunk, so it yields logits at every position in one pass.
+Verification is exact for plain greedy requests (the only ones the scheduler drafts for): keep
+the sampled token s_{n+1}; while it equals the draft at that position, the next row's argmax is
+a further token. Rejected positions need no KV rollback: the scheduler counts only verified
+positions as computed, and the next step overwrites the rest.
+
+The MTP drafter runs the model's multi-token-prediction layer over the same rows and attention
+metadata as the main pass (its own KV layer), each row fed with the token that follows it, and
+reads one draft at each request's last verified row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.worker.input_batch import ModelInput
+from dsinfer.worker.step_io import ModelRunnerOutput
+
+
+def sample_rows(inp: ModelInput) -> list[int]:
+    """Row whose logits give each sequence's next token (before its drafts)."""
+    return [last - s.num_draft for s, last in zip(inp.seqs, inp.last_rows, strict=True)]
+
+
+def verify_greedy(
+    model: torch.nn.Module, hidden: torch.Tensor, inp: ModelInput, result: ModelRunnerOutput
+) -> None:
+    """Extend result.sampled with result.bonus: tokens that accepted drafts make certain."""
+    spec = [(i, s) for i, s in enumerate(inp.seqs) if s.num_draft and s.req_id in result.sampled]
+    if not spec:
+        return
+    rows = [inp.last_rows[i] - s.num_draft + 1 + j for i, s in spec for j in range(s.num_draft)]
+    argmax = model.compute_logits(hidden[torch.tensor(rows)]).argmax(dim=-1).tolist()
+    k = 0
+    for _i, s in spec:
+        drafts = s.token_ids[-s.num_draft :]
+        row_tokens = argmax[k : k + s.num_draft]
+        k += s.num_draft
+        accepted: list[int] = []
+        last = result.sampled[s.req_id]
+        for draft, next_tok in zip(drafts, row_tokens, strict=True):
+            if last != draft:
+                break
+            accepted.append(next_tok)
+            last = next_tok
+        if accepted:
+            result.bonus[s.req_id] = accepted
+
+
+class MTPDrafter:
+    """One draft token per request per step from a DeepSeek-V3 MTP layer."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        inp: ModelInput,
+        hidden: torch.Tensor,
+        result: ModelRunnerOutput,
+        wants_draft: set[str],
+    ) -> None:
+        next_ids = inp.input_ids.roll(-1).clone()  # row r → token r+1 (fixed up per seq below)
+        draft_rows: list[int] = []
+        draft_reqs: list[str] = []
+        for s, last in zip(inp.seqs, inp.last_rows, strict=True):
+            first = last - len(s.token_ids) + 1
+            if s.req_id in result.sampled:
+                verified = [result.sampled[s.req_id], *result.bonus.get(s.req_id, [])]
+                base = last - s.num_draft  # the row that predicted verified[0]
+                for j, tok in enumerate(verified):
+                    next_ids[base + j] = tok
+                if s.req_id in wants_draft:
+                    draft_rows.append(base + len(verified) - 1)
+                    draft_reqs.append(s.req_id)
+            elif s.next_token_id is not None:
+                next_ids[last] = s.next_token_id
+            assert first <= last
+        h = self.model.mtp_hidden(next_ids, hidden, inp.positions, self.kv_caches, inp.meta)
+        if not draft_rows:
+            return
+        logits = self.model.compute_logits(h[torch.tensor(draft_rows)])  # [R, V]
+        for rid, tok in zip(draft_reqs, logits.argmax(dim=-1).tolist(), strict=True):
+            result.drafts[rid] = [int(tok)]

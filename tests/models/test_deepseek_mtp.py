@@ -1,0 +1,189 @@
+"""Multi-token prediction: a tiny DeepSeek-V3 checkpoint that carries its MTP layer drafts for
+itself; greedy output with MTP on equals output with it off; the acceptance rate is reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsinfer import LLM, SamplingParams
+from dsinfer.worker.step_io import ModelRunnerOutput
+from tests.helpers import assert_pool_clean
+from tests.models.test_deepseek_parity import CASES, COMMON
+from tests.models.test_tiny_parity import _tokenizer_files
+
+V3 = {**COMMON, **CASES["v3"][1]}
+PROMPTS = [[1, 5, 9, 33, 200], [1, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [1, 300, 3]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    """transformers writes the 3-layer model; its MTP layer (index 3) is added beside it: the
+    decoder weights of a 4-layer twin's last layer plus enorm, hnorm, eh_proj, shared_head."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    path = tmp_path_factory.mktemp("v3-mtp")
+    torch.manual_seed(3)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**V3, num_nextn_predict_layers=1))
+    model.save_pretrained(path)
+    _tokenizer_files(path)
+    torch.manual_seed(5)
+    twin = DeepseekV3ForCausalLM(DeepseekV3Config(**{**V3, "num_hidden_layers": 4}))
+    twin_dir = tmp_path_factory.mktemp("twin")
+    twin.save_pretrained(twin_dir)  # per-expert checkpoint names, as DeepSeek ships them
+    g = torch.Generator().manual_seed(6)
+    h = V3["hidden_size"]
+    saved = load_file(str(twin_dir / "model.safetensors"))
+    mtp = {k: v for k, v in saved.items() if k.startswith("model.layers.3.")}
+    mtp["model.layers.3.enorm.weight"] = torch.ones(h)
+    mtp["model.layers.3.hnorm.weight"] = torch.ones(h)
+    mtp["model.layers.3.eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.05
+    mtp["model.layers.3.shared_head.norm.weight"] = torch.ones(h)
+    # DeepSeek's checkpoints repeat the shared embedding and head under the MTP prefix.
+    mtp["model.layers.3.embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    mtp["model.layers.3.shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(mtp, str(path / "model-mtp.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.get("num_nextn_predict_layers") == 1
+    return path, model.eval(), twin.eval(), mtp
+
+
+def _llm(path, **kw) -> LLM:  # noqa: ANN001
+    return LLM(str(path), dtype="float32", num_blocks=96, block_size=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def mtp_path(mtp_dir):
+    return mtp_dir[0]
+
+
+def test_mtp_layer_is_loaded_with_its_own_latent_cache_layer(mtp_path, mtp_dir):
+    on, off = _llm(mtp_path), _llm(mtp_path, mtp=False)
+    runner = on.engine.executor.runner
+    assert runner.drafter is not None and off.engine.executor.runner.drafter is None
+    assert len(runner.kv_caches) == 4 and len(off.engine.executor.runner.kv_caches) == 3
+    latent = COMMON["kv_lora_rank"] + COMMON["qk_rope_head_dim"]
+    assert on.engine.kv_bytes_per_token == 4 * latent * 4  # 3 layers + MTP, fp32
+    saved = mtp_dir[3]
+    assert torch.equal(runner.model.mtp.eh_proj.weight, saved["model.layers.3.eh_proj.weight"])
+    assert torch.equal(
+        runner.model.mtp.self_attn.kv_b_proj.weight,
+        saved["model.layers.3.self_attn.kv_b_proj.weight"],
+    )
+
+
+def test_greedy_with_mtp_equals_greedy_without(mtp_path):
+    on, off = _llm(mtp_path), _llm(mtp_path, mtp=False)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got, ref = on.generate(prompts, GREEDY), off.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    drafted = sum(o.metrics.num_draft_tokens for o in got)
+    accepted = sum(o.metrics.num_accepted_draft_tokens for o in got)
+    assert drafted > 40, "every decode step after the first verifies a draft"
+    assert 0 <= accepted <= drafted
+    print(f"MTP acceptance on the tiny random model: {accepted}/{drafted}")
+    assert all(o.metrics.num_draft_tokens == 0 for o in ref)
+    sched = on.engine.scheduler
+    assert (sched.num_draft_tokens, sched.num_accepted_draft_tokens) == (drafted, accepted)
+    assert_pool_clean(on.engine)
+
+
+def test_sampled_and_stop_string_requests_are_not_drafted(mtp_path):
+    on = _llm(mtp_path)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
+    out = on.generate([{"prompt_token_ids": PROMPTS[0]}], params)[0]
+    assert out.metrics.num_draft_tokens == 0 and len(out.outputs[0].token_ids) == 12
+    assert_pool_clean(on.engine)
+
+
+class OracleDrafter:
+    """Proposes the known next token on a fixed right/wrong pattern: drives verification
+    through acceptance and rejection at chosen steps (a narrow unit-test double)."""
+
+    def __init__(self, reference: dict[int, list[int]], pattern: str) -> None:
+        self.reference, self.pattern, self.calls = reference, pattern, 0
+
+    def propose(self, inp, hidden, result: ModelRunnerOutput, wants) -> None:  # noqa: ANN001
+        for s in inp.seqs:
+            if s.req_id not in result.sampled or s.req_id not in wants:
+                continue
+            ref = self.reference[int(s.req_id.rsplit("-", 1)[1])]
+            done = (
+                s.start_pos
+                + len(s.token_ids)
+                - s.num_draft
+                + 1
+                + len(result.bonus.get(s.req_id, []))
+            )
+            right = self.pattern[self.calls % len(self.pattern)] == "1"
+            self.calls += 1
+            if done < len(ref):
+                result.drafts[s.req_id] = [ref[done] if right else (ref[done] + 1) % 320]
+
+
+def test_verification_accepts_and_rejects_exactly(mtp_path):
+    off = _llm(mtp_path, mtp=False)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = off.generate(prompts, GREEDY)
+    full = {i: PROMPTS[i] + list(o.outputs[0].token_ids) for i, o in enumerate(ref)}
+    llm = _llm(mtp_path, mtp=False)
+    oracle = OracleDrafter(full, "1101")
+    llm.engine.executor.runner.drafter = oracle
+    got = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    drafted = sum(o.metrics.num_draft_tokens for o in got)
+    accepted = sum(o.metrics.num_accepted_draft_tokens for o in got)
+    assert drafted > 0 and 0.55 < accepted / drafted < 0.95, (accepted, drafted)
+    # Accepted drafts mean fewer steps: each accepted draft saves one decode step.
+    assert all(o.metrics.draft_acceptance_rate is not None for o in got)
+    assert_pool_clean(llm.engine)
+
+
+@torch.inference_mode()
+def test_mtp_draft_matches_a_reference_computation(mtp_dir):
+    """The draft after prefill, recomputed with transformers' modules: the main model's normed
+    states, eh_proj over [enorm(embed(next)); hnorm(h)], the twin's decoder layer (the MTP
+    weights) under a causal mask, shared_head.norm, the shared LM head."""
+    path, model, twin, mtp = mtp_dir
+    prompt = PROMPTS[2]
+    llm = _llm(path)
+    runner = llm.engine.executor.runner
+    seen: list[dict] = []
+    original = runner.drafter.propose
+
+    def record(inp, hidden, result, wants):  # noqa: ANN001, ANN202
+        original(inp, hidden, result, wants)
+        seen.append(dict(result.drafts))
+
+    runner.drafter.propose = record
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=2))
+    first = out[0].outputs[0].token_ids[0]
+    ours = next(iter(seen[0].values()))[0]
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + V3.get("rms_norm_eps", 1e-6)) * w
+
+    ids = torch.tensor([prompt])
+    h = model.model(input_ids=ids).last_hidden_state  # [1, T, H], after the final norm
+    nxt = torch.tensor([prompt[1:] + [first]])
+    e = model.model.embed_tokens(nxt)
+    m = "model.layers.3."
+    x = torch.cat([rms(e, mtp[m + "enorm.weight"]), rms(h, mtp[m + "hnorm.weight"])], dim=-1)
+    x = x @ mtp[m + "eh_proj.weight"].t()
+    t = len(prompt)
+    pos = torch.arange(t).unsqueeze(0)
+    causal = torch.full((t, t), float("-inf")).triu(1).view(1, 1, t, t)
+    layer = twin.model.layers[3]
+    y = layer(
+        x,
+        attention_mask=causal,
+        position_ids=pos,
+        position_embeddings=twin.model.rotary_emb(x, pos),
+    )
+    y = y[0] if isinstance(y, tuple) else y
+    logits = rms(y, mtp[m + "shared_head.norm.weight"]) @ model.lm_head.weight.t()
+    assert ours == int(logits[0, -1].argmax())
