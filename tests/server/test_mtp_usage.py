@@ -1,0 +1,42 @@
+"""MTP through the real server: usage reports verified drafts, /metrics the acceptance."""
+
+from __future__ import annotations
+
+import httpx
+
+from dsinfer.config import CacheConfig, EngineConfig
+from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.server.api import ServerSettings, build_app
+from dsinfer.server.async_engine import AsyncEngine
+from dsinfer.server.serving import ServedModel
+from tests.models.test_deepseek_mtp import mtp_dir  # noqa: F401  (the fixture)
+from tests.server.conftest import running_server
+
+
+def test_usage_and_metrics_report_drafts(mtp_dir):  # noqa: F811
+    import openai
+
+    config = EngineConfig(
+        model=str(mtp_dir[0]), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64)
+    )
+    runner = AsyncEngine(lambda: LLMEngine(config))
+    served = ServedModel("tiny", runner, runner.engine.tokenizer, runner.engine.max_model_len)
+    try:
+        with running_server(build_app({"tiny": served}, ServerSettings())) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            r = client.completions.create(
+                model="tiny", prompt="w5 w9 w33", max_tokens=8, temperature=0
+            )
+            details = r.usage.completion_tokens_details
+            drafted = details.accepted_prediction_tokens + details.rejected_prediction_tokens
+            # Steps 2..7 verify a draft; the 8th has room for one token only, so drafts none.
+            assert r.usage.completion_tokens == 8 and drafted == 6
+            text = httpx.get(f"{url}/metrics").text
+            assert 'dsinfer_spec_draft_tokens_total{model="tiny"} 6' in text
+            assert 'dsinfer_spec_acceptance_rate{model="tiny"}' in text
+            sampled = client.completions.create(
+                model="tiny", prompt="w5", max_tokens=4, temperature=0.9, seed=3
+            )
+            assert sampled.usage.completion_tokens_details is None  # nothing was drafted
+    finally:
+        runner.shutdown()
