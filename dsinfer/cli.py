@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    s.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="enable /admin/ (load, weights, promote, rollback, unload) with this key",
+    )
     s.add_argument("--max-queued-requests", type=int, default=256)
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     s.add_argument(
@@ -153,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dsinfer.artifact.commands import add_parsers as artifact_parsers
 
     artifact_parsers(sub)
+    from dsinfer.deploy import add_parser as deploy_parser
+
+    deploy_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)

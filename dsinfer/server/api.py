@@ -12,7 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from dsinfer.registry.store import ModelRegistry, RegistryError, Version
 from dsinfer.sampling import check_token_ids
+from dsinfer.server.admin import admin_router, bearer_token
 from dsinfer.server.async_engine import EngineDeadError
 from dsinfer.server.chat import chat_completion
 from dsinfer.server.completions import completion
@@ -31,8 +33,19 @@ logger = logging.getLogger(__name__)
 
 class ServerSettings(BaseModel):
     api_key: str | None = None
+    admin_api_key: str | None = None  # guards /admin/; the admin API is off without it
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
+
+
+def as_registry(models: ModelRegistry | dict[str, ServedModel]) -> ModelRegistry:
+    """A registry from a plain {name: ServedModel} (one version each) or itself."""
+    if isinstance(models, ModelRegistry):
+        return models
+    registry = ModelRegistry()
+    for name, served in models.items():
+        registry.add(name, Version(served.name.partition("@")[2] or "local", served, name))
+    return registry
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -78,13 +91,26 @@ def parse(model: type[BaseModel], data: Any) -> Any:
 
 
 def build_app(
-    models: dict[str, ServedModel], settings: ServerSettings, metrics: ServerMetrics | None = None
+    models: ModelRegistry | dict[str, ServedModel],
+    settings: ServerSettings,
+    metrics: ServerMetrics | None = None,
+    build_version: Callable[[str, str], ServedModel] | None = None,
 ) -> FastAPI:
+    """The HTTP app over a registry of models and versions. `build_version(name, path)` loads a
+    new version for the admin API (verified under the server's trust policy)."""
     app = FastAPI(title="dsinfer", version="0.1.0")
     metrics = metrics or ServerMetrics()
-    app.state.models = models
+    registry = as_registry(models)
+    app.state.registry = registry
     app.state.metrics = metrics
-    default_model = next(iter(models))
+
+    @app.middleware("http")
+    async def _version_header(request: Request, call_next: Callable) -> Any:
+        response = await call_next(request)
+        served_by = getattr(request.state, "served_by", None)
+        if served_by is not None:
+            response.headers["x-dsinfer-model"] = served_by
+        return response
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -102,9 +128,8 @@ def build_app(
     def authorize(request: Request) -> None:
         if settings.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token, settings.api_key):
+        token = bearer_token(request) or ""
+        if not secrets.compare_digest(token, settings.api_key):
             raise APIError(
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer KEY'",
@@ -113,15 +138,13 @@ def build_app(
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    def pick(name: str | None) -> ServedModel:
-        served = models.get(name or default_model)
-        if served is None:
-            raise APIError(
-                404,
-                f"model {name!r} does not exist; available: {', '.join(models)}",
-                param="model",
-                code="model_not_found",
-            )
+    def pick(request: Request, name: str | None, user: str | None = None) -> ServedModel:
+        try:
+            served = registry.resolve(name, user)
+        except RegistryError as e:
+            code = "model_not_found" if e.status == 404 else None
+            raise APIError(e.status, str(e), param="model", code=code) from None
+        request.state.served_by = served.name
         if served.engine.dead is not None:
             raise APIError(
                 503, "the model's engine has stopped; see the server log", "server_error"
@@ -145,7 +168,7 @@ def build_app(
     ) -> Any:
         authorize(request)
         body = parse(schema, await read_json(request, settings.max_body_bytes))
-        served = pick(body.model)
+        served = pick(request, body.model, body.user)
         admit(served)
         try:
             result = await run(served, body, metrics, request)
@@ -168,39 +191,51 @@ def build_app(
     @app.get("/v1/models")
     async def _models(request: Request) -> dict:
         authorize(request)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": m.name,
-                    "object": "model",
-                    "created": m.created,
-                    "owned_by": "dsinfer",
-                    "max_model_len": m.max_model_len,
-                    "version": m.version,
-                }
-                for m in models.values()
-            ],
-        }
+        data = []
+        for entry in registry.entries.values():
+            first = next(iter(entry.versions.values())).served
+            routed = {"id": entry.name, "object": "model", "created": first.created}
+            routed |= {"owned_by": "dsinfer", "max_model_len": first.max_model_len}
+            routed["version"] = first.version if len(entry.versions) == 1 else None
+            routed["weights"] = {v: round(w, 6) for v, w in entry.weights.items()}
+            data.append(routed)
+            for v in entry.versions.values():
+                if v.served.name == entry.name:
+                    continue  # an unversioned checkpoint is listed once, by its name
+                m = v.served
+                data.append(
+                    {
+                        "id": m.name,
+                        "object": "model",
+                        "created": m.created,
+                        "owned_by": "dsinfer",
+                        "max_model_len": m.max_model_len,
+                        "version": m.version,
+                        "label": v.label,
+                        "root": entry.name,
+                    }
+                )
+        return {"object": "list", "data": data}
 
     @app.get("/health")
     async def _health() -> JSONResponse:
-        dead = [m.name for m in models.values() if m.engine.dead is not None]
+        dead = [m.name for m in registry.served() if m.engine.dead is not None]
         if dead:
             return JSONResponse({"status": "error", "dead": dead}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def _metrics() -> PlainTextResponse:
-        for m in models.values():
-            metrics.update_engine(m.name, m.engine.engine)
+        for m in registry.served():
+            if m.engine.engine is not None:
+                metrics.update_engine(m.name, m.engine.engine)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
     async def _tokenize(request: Request) -> dict:
         authorize(request)
         body = parse(TokenizeRequest, await read_json(request, settings.max_body_bytes))
-        served = pick(body.model)
+        served = pick(request, body.model)
         if body.messages is not None:
             msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
             ids = served.tokenizer.encode_chat(msgs)
@@ -214,11 +249,12 @@ def build_app(
     async def _detokenize(request: Request) -> dict:
         authorize(request)
         body = parse(DetokenizeRequest, await read_json(request, settings.max_body_bytes))
-        served = pick(body.model)
+        served = pick(request, body.model)
         try:
             check_token_ids(body.tokens, served.tokenizer.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e), param="tokens") from None
         return {"prompt": served.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    app.include_router(admin_router(registry, settings, build_version))
     return app

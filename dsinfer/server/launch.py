@@ -6,11 +6,13 @@ import argparse
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
 from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.registry.store import ModelRegistry, Version
 from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.reasoning import supports_reasoning
@@ -31,46 +33,56 @@ def parse_model_spec(spec: str) -> tuple[str, str]:
     return Path(spec).stem, spec
 
 
-def load_served_models(args: argparse.Namespace) -> dict[str, ServedModel]:
+def version_builder(args: argparse.Namespace) -> Callable[[str, str], ServedModel]:
+    """build(name, path) → a loaded ServedModel named NAME@VERSION (NAME for a checkpoint),
+    with this server's engine flags and trust policy."""
     from dsinfer.cli import engine_config
 
-    specs = [parse_model_spec(s) for s in (args.model or ["smollm2"])]
-    names = [n for n, _ in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"model names must be unique, got {names}")
-    models = {}
-    for name, path in specs:
+    def build(name: str, path: str) -> ServedModel:
         config = engine_config(args, path)
-        runner = AsyncEngine(lambda config=config: LLMEngine(config))  # built on its own thread
+        runner = AsyncEngine(lambda: LLMEngine(config))  # built on its own thread
         engine = runner.engine
-        models[name] = ServedModel(
-            name,
+        return ServedModel(
+            f"{name}@{engine.version}" if engine.version else name,
             runner,
             engine.tokenizer,
             engine.max_model_len,
             version=engine.version,
             reasoning=supports_reasoning(engine.tokenizer),
         )
-    return models
+
+    return build
+
+
+def load_served_models(args: argparse.Namespace) -> ModelRegistry:
+    """Every --model: a name may be given several times, once per version (the first one given
+    takes all traffic; the others load at weight 0 for the admin API to shift)."""
+    build = version_builder(args)
+    registry = ModelRegistry()
+    for name, path in [parse_model_spec(s) for s in (args.model or ["smollm2"])]:
+        served = build(name, path)
+        registry.add(name, Version(served.name.partition("@")[2] or "local", served, path))
+    return registry
 
 
 def serve(args: argparse.Namespace) -> int:
-    models = load_served_models(args)
+    registry = load_served_models(args)
     settings = ServerSettings(
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
         max_queued_requests=args.max_queued_requests,
         max_body_bytes=args.max_body_bytes,
     )
-    app = build_app(models, settings)
+    app = build_app(registry, settings, build_version=version_builder(args))
 
     @app.on_event("shutdown")
     def _stop_engines() -> None:
-        for m in models.values():
+        for m in registry.served():
             m.engine.shutdown()
 
     url = f"http://{args.host}:{args.port}"
-    first = next(iter(models))
-    names = [f"{n}@{m.version}" if m.version else n for n, m in models.items()]
+    first = next(iter(registry.entries))
+    names = [m.name for m in registry.served()]
     print(
         f"dsinfer: serving {', '.join(names)} at {url}/v1\n"
         f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "

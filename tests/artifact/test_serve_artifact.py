@@ -29,12 +29,13 @@ def test_served_artifact_reports_its_version(tiny_artifacts, keys):
         with running_server(build_app(models, ServerSettings())) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
             listed = client.models.list().data
-            assert [m.id for m in listed] == ["tiny"]
-            assert listed[0].model_extra["version"] == read_manifest(art).short_version
+            version = read_manifest(art).short_version
+            assert [m.id for m in listed] == ["tiny", f"tiny@{version}"]
+            assert listed[1].model_extra["version"] == version
             out = client.completions.create(model="tiny", prompt="hello", max_tokens=4)
-            assert out.usage.completion_tokens >= 1
+            assert out.usage.completion_tokens >= 1 and out.model == f"tiny@{version}"
     finally:
-        for m in models.values():
+        for m in models.served():
             m.engine.shutdown()
 
 

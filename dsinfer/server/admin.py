@@ -1,0 +1,126 @@
+"""The admin API under /admin/, guarded by its own key (`--admin-api-key`, never the user key).
+
+    GET    /admin/models                              models, versions, weights, in-flight
+    POST   /admin/models/{name}/versions              {"path", "label"?}: verify, load, warm
+    PUT    /admin/models/{name}/weights               {"weights": {"VERSION": 90, ...}}
+    POST   /admin/models/{name}/promote               {"version"}: all traffic to it
+    POST   /admin/models/{name}/rollback              the weights before the newest version
+    DELETE /admin/models/{name}/versions/{version}    stop routing, drain, free
+
+A load is verified under the server's trust policy before it takes traffic; a refused artifact
+answers 400 and changes nothing.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from dsinfer.registry.store import ModelRegistry, RegistryError
+from dsinfer.registry.swap import load_version, unload_version
+from dsinfer.server.protocol import APIError
+
+
+def bearer_token(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token if scheme.lower() == "bearer" and token else None
+
+
+class LoadRequest(BaseModel):
+    path: str
+    label: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
+
+
+class WeightsRequest(BaseModel):
+    weights: dict[str, float]
+
+
+class PromoteRequest(BaseModel):
+    version: str
+
+
+def admin_router(
+    registry: ModelRegistry,
+    settings: Any,
+    build_version: Callable[[str, str], Any] | None,
+) -> APIRouter:
+    router = APIRouter(prefix="/admin")
+
+    def authorize(request: Request) -> None:
+        token = bearer_token(request)
+        if token is None:
+            raise APIError(
+                401,
+                "the admin API needs 'Authorization: Bearer ADMIN_KEY'",
+                "authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        key = settings.admin_api_key
+        if key is None or not secrets.compare_digest(token, key):
+            why = "the admin API is off (start with --admin-api-key)" if key is None else ""
+            raise APIError(403, why or "this key may not use the admin API", "permission_error")
+
+    async def body(request: Request, schema: type[BaseModel]) -> Any:
+        from dsinfer.server.api import parse, read_json
+
+        return parse(schema, await read_json(request, settings.max_body_bytes))
+
+    def registry_call(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except RegistryError as e:
+            raise APIError(e.status, str(e)) from None
+
+    @router.get("/models")
+    async def _list(request: Request) -> dict:
+        authorize(request)
+        return {"models": registry.describe()}
+
+    @router.post("/models/{name}/versions", status_code=201)
+    async def _load(name: str, request: Request) -> dict:
+        authorize(request)
+        req = await body(request, LoadRequest)
+        if build_version is None:
+            raise APIError(400, "this server cannot load versions (no engine settings)")
+        try:
+            version = await load_version(registry, name, req.path, build_version, req.label)
+        except RegistryError as e:
+            raise APIError(e.status, str(e)) from None
+        except ValueError as e:  # refused by the trust policy, unreadable, unsupported
+            raise APIError(400, f"cannot load {req.path}: {e}", code="load_refused") from None
+        return {"model": version.served.name, "version": version.id, "weights": _w(name)}
+
+    def _w(name: str) -> dict[str, float]:
+        return registry.entry(name).weights
+
+    @router.put("/models/{name}/weights")
+    async def _weights(name: str, request: Request) -> dict:
+        authorize(request)
+        req = await body(request, WeightsRequest)
+        return {"weights": registry_call(registry.set_weights, name, req.weights)}
+
+    @router.post("/models/{name}/promote")
+    async def _promote(name: str, request: Request) -> dict:
+        authorize(request)
+        req = await body(request, PromoteRequest)
+        return {"weights": registry_call(registry.promote, name, req.version)}
+
+    @router.post("/models/{name}/rollback")
+    async def _rollback(name: str, request: Request) -> dict:
+        authorize(request)
+        return {"weights": registry_call(registry.rollback, name)}
+
+    @router.delete("/models/{name}/versions/{version}")
+    async def _unload(name: str, version: str, request: Request) -> dict:
+        authorize(request)
+        try:
+            gone = await unload_version(registry, name, version)
+        except RegistryError as e:
+            raise APIError(e.status, str(e)) from None
+        return {"unloaded": gone.served.name}
+
+    return router
