@@ -27,6 +27,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="build from config.json with seeded random weights (speed/memory only)",
     )
     p.add_argument(
+        "--random-quant",
+        default="none",
+        choices=["none", "int8", "int4"],
+        help="with --random-weights: quantised layouts (configs too large for float weights)",
+    )
+    p.add_argument(
         "--trusted-key",
         action="append",
         default=[],
@@ -54,6 +60,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         seed=args.seed,
         tokenizer=args.tokenizer,
         random_weights=args.random_weights,
+        random_quant=args.random_quant,
         trusted_keys=tuple(args.trusted_key),
         allow_unsigned=args.allow_unsigned,
         mtp=not args.no_mtp,

@@ -124,6 +124,7 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None  # default: the model's own files
     random_weights: bool = False  # build from config.json with seeded random weights
+    random_quant: str = "none"  # with random_weights: int8 | int4 layouts (large configs)
     # Trust policy for artifacts: public keys their signature must verify with (plus
     # DSINFER_TRUSTED_KEYS); allow_unsigned is the explicit opt-out.
     trusted_keys: tuple[str, ...] = ()

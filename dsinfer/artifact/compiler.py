@@ -82,7 +82,7 @@ def _write_contents(
         # Quantised from the fp32 load; the scales and every float tensor left take `dtype`.
         exceptions = quantize_model(loaded.model, opts.quant, opts.group_size, dtype)
         for p in loaded.model.parameters():
-            if p.is_floating_point():
+            if p.is_floating_point() and not getattr(p, "keep_fp32", False):
                 p.data = p.data.to(dtype)
     tensors, tied = _dedup_tied(loaded.model)
     weight_files = save_weights(tensors, tmp)

@@ -25,7 +25,7 @@ from dsinfer.artifact.reader import load_artifact
 from dsinfer.artifact.verify import TrustPolicy
 from dsinfer.config import CacheConfig, ModelConfig, parse_memory
 from dsinfer.layers.linear import Linear, LinearMethod
-from dsinfer.layers.quant import layer_format, quantizable_linears
+from dsinfer.layers.quant import layer_format, quantizable_linears, routed_experts
 from dsinfer.models.loader import LoadedModel, load_model
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.model_runner import ModelRunner
@@ -123,6 +123,11 @@ def weight_bytes(model: nn.Module, group_size: int) -> dict[str, int]:
         for scheme in ("int8", "int4"):
             fmt, _why = layer_format(scheme, layer, group_size)
             totals[scheme] += size[fmt](layer.out_features, layer.in_features)
+    for _name, experts in routed_experts(model):  # stacked [E, out, in]: int8 in both schemes
+        for w in (experts.w13, experts.w2):
+            e, out_f, in_f = w.shape
+            for scheme in ("int8", "int4"):
+                totals[scheme] += e * size["int8"](out_f, in_f) - 2 * w.numel()
     return totals
 
 

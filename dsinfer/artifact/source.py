@@ -20,6 +20,7 @@ def load_model_source(
     random_weights: bool = False,
     seed: int = 0,
     enable_mtp: bool = True,
+    random_quant: str = "none",
 ) -> LoadedModel:
     if is_artifact(model):
         if random_weights:
@@ -33,4 +34,4 @@ def load_model_source(
             "is not a signed artifact: compile and sign it (dsinfer compile … --sign-key KEY), "
             "or pass --allow-unsigned"
         )
-    return load_model(model, dtype, device, random_weights, seed, enable_mtp)
+    return load_model(model, dtype, device, random_weights, seed, enable_mtp, random_quant)

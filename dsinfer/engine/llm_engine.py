@@ -46,6 +46,7 @@ class LLMEngine:
             config.random_weights,
             config.seed,
             enable_mtp=config.mtp,
+            random_quant=config.random_quant,
         )
         self.model_config = loaded.config
         self.dtype = loaded.dtype

@@ -16,6 +16,7 @@ from torch import nn
 
 from dsinfer.layers.activation import silu_and_mul
 from dsinfer.layers.linear import Linear
+from dsinfer.layers.quant import int8_mm, quantize_int8
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,7 @@ class RoutedExperts(nn.Module):
         super().__init__()
         e, i, h = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
         self.intermediate = i
+        self.num_experts = e
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         # Checkpoints store each expert's gate/up/down separately: shard = (kind, expert).
@@ -92,6 +94,38 @@ class RoutedExperts(nn.Module):
             )
         dst.copy_(loaded)
 
+    # -- int8 (artifacts, random-weight benchmarks): q13/s13, q2/s2 replace w13, w2 -------------
+    def use_int8_layout(self) -> None:
+        """Replace w13/w2 by int8 weights [E, out, in] with per-row scales [E, out]."""
+        e, two_i, h = self.w13.shape
+        for name, shape in (("13", (e, two_i, h)), ("2", (e, h, two_i // 2))):
+            self._parameters.pop(f"w{name}", None)
+            q = torch.empty(shape, dtype=torch.int8)
+            setattr(self, f"q{name}", nn.Parameter(q, requires_grad=False))
+            setattr(self, f"s{name}", nn.Parameter(torch.empty(shape[:2]), requires_grad=False))
+
+    @torch.no_grad()
+    def quantize_int8(self, dtype: torch.dtype) -> None:
+        tensors = {}
+        for name in ("13", "2"):
+            w = getattr(self, f"w{name}")
+            parts = [quantize_int8(w[e], dtype) for e in range(w.shape[0])]
+            tensors[name] = (
+                torch.stack([p["qweight"] for p in parts]),
+                torch.stack([p["scales"] for p in parts]),
+            )
+        self.use_int8_layout()
+        for name, (q, s) in tensors.items():
+            getattr(self, f"q{name}").data = q
+            getattr(self, f"s{name}").data = s
+
+    def _matmul(self, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
+        """x [n, in] through expert e's w13 or w2 (float or int8)."""
+        weight = self._parameters.get(f"w{which}")
+        if weight is not None:
+            return F.linear(x, weight[e])
+        return int8_mm(x.contiguous(), getattr(self, f"q{which}")[e], getattr(self, f"s{which}")[e])
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; weights, ids: [T, k] → Σ_k weight · expert(x): [T, H].
 
@@ -101,7 +135,7 @@ class RoutedExperts(nn.Module):
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # [T*k]
         token_of = order // k
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = x[token_of]  # [T*k, H], grouped by expert
         out = torch.empty_like(xs)
         start = 0
@@ -109,8 +143,8 @@ class RoutedExperts(nn.Module):
             if n == 0:
                 continue
             seg = slice(start, start + n)
-            h = silu_and_mul(F.linear(xs[seg], self.w13[e]))  # [n, I]
-            out[seg] = F.linear(h, self.w2[e])
+            h = silu_and_mul(self._matmul(xs[seg], "13", e))  # [n, I]
+            out[seg] = self._matmul(h, "2", e)
             start += n
         out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)
@@ -139,6 +173,8 @@ class MoEGate(nn.Module):
             if cfg.score_correction_bias
             else None
         )
+        for p in self.parameters():
+            p.keep_fp32 = True  # type: ignore[attr-defined]  # casts (compile) leave it alone
 
 
 class DeepseekMoE(nn.Module):

@@ -40,6 +40,16 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
     return y if x.dim() == 2 else y.view(*x.shape[:-1], -1)
 
 
+def int8_mm(flat: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[M, in] activations × int8 [out, in] with per-row scales → [M, out] (kernel by rows).
+
+    The packed kernel gives wrong results (one row) or crashes (several) when `in` is not a
+    multiple of 16 (torch 2.13: in = 24, 40), so such shapes always take the widened GEMM."""
+    if flat.shape[0] < _INT8_DENSE_FROM_ROWS and flat.shape[1] % 16 == 0:
+        return torch._weight_int8pack_mm(flat, qweight, scales)
+    return (flat @ qweight.to(flat.dtype).t()) * scales
+
+
 class Int8LinearMethod(LinearMethod):
     """W ≈ qweight · scales[:, None]; qweight int8 [out, in], scales [out] in the compute dtype."""
 
@@ -52,12 +62,7 @@ class Int8LinearMethod(LinearMethod):
         layer.scales = nn.Parameter(torch.empty(out_features), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = _rows(x)  # [M, in]
-        if flat.shape[0] < _INT8_DENSE_FROM_ROWS:
-            y = torch._weight_int8pack_mm(flat, layer.qweight, layer.scales)
-        else:
-            y = (flat @ layer.qweight.to(flat.dtype).t()) * layer.scales
-        return _finish(y, x, bias)
+        return _finish(int8_mm(_rows(x), layer.qweight, layer.scales), x, bias)
 
 
 class Int4LinearMethod(LinearMethod):
@@ -158,20 +163,34 @@ def _apply_format(layer: Linear, fmt: str, group_size: int, dtype: torch.dtype) 
         getattr(layer, key).data = value
 
 
-@torch.no_grad()
-def quantize_model(
-    model: nn.Module, scheme: str, group_size: int, dtype: torch.dtype
-) -> dict[str, str]:
-    """Quantise every eligible Linear in place; returns {layer: format} where it is not
-    `scheme` (the artifact records these so the runtime rebuilds the same layout)."""
+def plan_formats(model: nn.Module, scheme: str, group_size: int) -> dict[str, str]:
+    """{module: format} for every module whose format under `scheme` is not `scheme` itself.
+
+    Stacked MoE experts are int8 under int4 as well (one int8 kernel call per expert)."""
     exceptions: dict[str, str] = {}
     for name, layer in quantizable_linears(model):
         fmt, why = layer_format(scheme, layer, group_size)
         if fmt != scheme:
             exceptions[name] = fmt
             logger.info("%s: %s (%s)", name, fmt, why)
+    if scheme != "int8":
+        exceptions.update({name: "int8" for name, _m in routed_experts(model)})
+    return exceptions
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module, scheme: str, group_size: int, dtype: torch.dtype
+) -> dict[str, str]:
+    """Quantise every eligible Linear and expert stack in place; returns plan_formats' dict
+    (the artifact records it so the runtime rebuilds the same layout)."""
+    exceptions = plan_formats(model, scheme, group_size)
+    for name, layer in quantizable_linears(model):
+        fmt = exceptions.get(name, scheme)
         if fmt != "float":
             _apply_format(layer, fmt, group_size, dtype)
+    for _name, experts in routed_experts(model):
+        experts.quantize_int8(dtype)
     return exceptions
 
 
@@ -185,3 +204,10 @@ def prepare_quantized(
         method = quant_method(exceptions.get(name, scheme), group_size)
         if method is not None:
             layer.set_method(method)
+    for _name, experts in routed_experts(model):
+        experts.use_int8_layout()
+
+
+def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Stacked MoE experts (they quantise as a whole: int8 per expert and output row)."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "use_int8_layout")]

@@ -22,6 +22,7 @@ from torch import nn
 
 from dsinfer.config import ModelConfig, parse_dtype
 from dsinfer.layers.linear import default_weight_loader
+from dsinfer.layers.quant import plan_formats, prepare_quantized
 from dsinfer.models.gguf_file import config_from_gguf, iter_gguf_tensors
 from dsinfer.models.registry import config_from_hf, model_class
 
@@ -183,8 +184,19 @@ def fill_random_weights(model: nn.Module, seed: int) -> None:
 
     For measuring speed and memory of configurations whose weights we do not have."""
     gen = torch.Generator().manual_seed(seed)
+    # Quantised layouts: uniform codes with scales that give the same spread (std 0.02).
+    int8_scale, int4_scale = 0.02 * 3**0.5 / 127, 0.02 * 3**0.5 / 7.5
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if p.dtype == torch.int8:
+            p.random_(-127, 128, generator=gen)
+        elif p.dtype == torch.uint8:
+            p.random_(0, 256, generator=gen)
+        elif name.endswith("scales_zeros"):
+            p[..., 0].fill_(int4_scale)
+            p[..., 1].zero_()
+        elif name.endswith(("scales", ".s13", ".s2")):
+            p.fill_(int8_scale)
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()
@@ -199,10 +211,13 @@ def load_model(
     random_weights: bool = False,
     seed: int = 0,
     enable_mtp: bool = True,
+    random_quant: str = "none",
 ) -> LoadedModel:
     """Build the model for `model` and load its weights (or seeded random ones).
 
-    `enable_mtp`: load a DeepSeek-V3 checkpoint's multi-token-prediction layer when present."""
+    `enable_mtp`: load a DeepSeek-V3 checkpoint's multi-token-prediction layer when present.
+    `random_quant` (with random weights): int8 or int4 layouts, for models whose float weights
+    would not fit in memory (the float tensors are never touched, so never resident)."""
     t0 = time.perf_counter()
     path = resolve_model_path(model, config_only=random_weights)
     cfg = read_model_config(path)
@@ -212,6 +227,14 @@ def load_model(
     tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)
     net = build_model(cfg, tdtype, device)  # parameters in the target dtype: no fp32 copy
     if random_weights:
+        if random_quant in ("int8", "int4"):
+            exceptions = plan_formats(net, random_quant, 32)
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(tdtype)  # scales take the activations' dtype
+            try:
+                prepare_quantized(net, random_quant, 32, exceptions)
+            finally:
+                torch.set_default_dtype(previous)
         fill_random_weights(net, seed)
     elif path.is_file():
         reader = gguf.GGUFReader(str(path))

@@ -66,3 +66,14 @@ def test_int4_shape_limits():
     assert int4_unsupported_reason(64, 96, 64) is not None
     assert int4_unsupported_reason(40, 64, 32) is not None
     assert int4_unsupported_reason(64, 128, 64) is None
+
+
+@pytest.mark.parametrize("in_features", [24, 40, 48])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_shapes_the_packed_kernel_gets_wrong_take_the_dense_path(in_features, rows):
+    torch.manual_seed(3)
+    w = torch.randn(64, in_features) * 0.02
+    x = torch.randn(rows, in_features)
+    y = _quantised(w, "int8")(x.bfloat16()).float()
+    ref = x @ w.t()
+    assert ((y - ref).norm() / ref.norm()).item() < 0.015
