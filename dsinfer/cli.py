@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dsinfer.deploy import add_parser as deploy_parser
 
     deploy_parser(sub)
+    from dsinfer.planner.commands import add_parsers as planner_parsers
+
+    planner_parsers(sub)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)

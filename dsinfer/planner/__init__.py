@@ -1,0 +1,1 @@
+"""Parallel planning: device profiles (data), a cost model, and the plan search."""

@@ -1,0 +1,147 @@
+"""Predicted memory and time of one parallel plan (TP × PP × DP, × EP for MoE) on a profile.
+
+Decode is modelled per step of `batch` sequences at `context` tokens: each device's time is the
+larger of its matmul FLOPs over achievable FLOP/s and the bytes it reads (its weight shard —
+for MoE, only the experts a step's tokens select — plus its KV) over achievable bandwidth;
+tensor parallel adds two all-reduces per layer, expert parallel an all-to-all dispatch and
+combine per MoE layer, pipeline parallel a send per stage boundary. Prefill is FLOP-bound:
+weights and the attention's L² term. Every number is a formula of the profile and the shape,
+so a prediction can be checked against a measurement (docs/parallel.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsinfer.planner.model_shape import WEIGHT_BYTES, ModelShape
+from dsinfer.planner.profiles import DeviceProfile, Link
+
+RUNTIME_OVERHEAD = 2 * 1024**3  # CUDA/NPU context, allocator slack, graphs (per device)
+CPU_RUNTIME_OVERHEAD = 400 * 1024**2  # a torch process on CPU
+ACT_DTYPE_BYTES = 2
+MAX_BATCHED_TOKENS = 2048  # the scheduler's per-step token budget (activation memory)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    tp: int
+    pp: int
+    dp: int
+    ep: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        return f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",ep={self.ep}" if self.ep > 1 else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    context: int = 4096
+    batch: int = 16  # concurrent sequences over the whole deployment
+    weight_dtype: str = "bfloat16"
+    compute_dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    plan: Plan
+    memory_per_device: float
+    fits: bool
+    prefill_s: float
+    tpot_s: float  # time per output token of one sequence
+    throughput: float  # output tokens/s of the deployment
+    breakdown: dict[str, float]
+
+
+def _all_reduce(bytes_: float, n: int, link: Link, eff: float) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * bytes_ / (link.bandwidth * eff) + 2 * (n - 1) * link.latency
+
+
+def _all_to_all(bytes_: float, n: int, link: Link, eff: float) -> float:
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * bytes_ / (link.bandwidth * eff) + (n - 1) * link.latency
+
+
+def _link(group: int, profile: DeviceProfile, inner: int = 1) -> Link:
+    """The link a group of `group` ranks laid out with stride `inner` uses."""
+    return profile.intra_node if group * inner <= profile.devices_per_node else profile.inter_node
+
+
+def estimate(shape: ModelShape, plan: Plan, profile: DeviceProfile, work: Workload) -> Estimate:
+    wb = WEIGHT_BYTES[work.weight_dtype]
+    flops = profile.flops_for(work.compute_dtype) * profile.eff("compute")
+    bw = profile.memory_bandwidth * profile.eff("memory")
+    capacity = profile.memory_bytes
+    if profile.shared_host:  # CPU "devices" are processes: they share the bandwidth and RAM
+        bw /= plan.devices
+        capacity /= plan.devices
+    link_eff = profile.eff("link")
+    shards = plan.tp * plan.pp
+    # Memory: weights (experts split over the EP group and the stages), KV, activations.
+    dense_w = shape.dense_params * wb / shards
+    # Experts are placed whole over the EP group, or (no EP) each sliced over the TP group.
+    expert_split = plan.ep if plan.ep > 1 else plan.tp
+    expert_w = shape.expert_params * wb / (expert_split * plan.pp)
+    seqs = max(1, work.batch // plan.dp)  # sequences one replica holds
+    kv_split = plan.pp * (1 if shape.latent_kv else min(plan.tp, shape.num_kv_heads))
+    kv = shape.kv_bytes_per_token * work.context * seqs / kv_split
+    act = MAX_BATCHED_TOKENS * shape.hidden * ACT_DTYPE_BYTES * 16 / plan.tp
+    overhead = CPU_RUNTIME_OVERHEAD if profile.shared_host else RUNTIME_OVERHEAD
+    mem = dense_w + expert_w + kv + act + overhead
+    # Decode step of one replica: `seqs` tokens through the model.
+    layers_per_stage = shape.num_layers / plan.pp
+    e, k = shape.num_experts, shape.experts_per_token
+    touched = e * (1 - (1 - k / e) ** seqs) if e else 0  # experts one step selects, per layer
+    expert_read = touched * shape.moe_layers * shape.expert_params_per_layer_expert * wb
+    read = (shape.dense_params - shape.embedding_params) * wb / shards
+    read += expert_read / (expert_split * plan.pp) + kv
+    active = shape.active_params()
+    compute = 2 * active * seqs / shards / flops
+    compute += 4 * shape.num_layers * shape.hidden * work.context * seqs / shards / flops  # attn
+    memory = read / bw
+    tp_link = _link(plan.tp, profile)
+    tp_comm = (
+        layers_per_stage * 2 * _all_reduce(seqs * shape.hidden * 2, plan.tp, tp_link, link_eff)
+    )
+    ep_link = _link(plan.ep, profile)
+    moe_per_stage = shape.moe_layers / plan.pp
+    ep_bytes = 2 * seqs * k * shape.hidden * 2 / max(1, plan.ep)
+    ep_comm = moe_per_stage * 2 * _all_to_all(ep_bytes * plan.ep, plan.ep, ep_link, link_eff)
+    stage = max(compute, memory) + tp_comm + ep_comm  # one device = one stage's shard
+    pp_link = _link(plan.pp, profile, plan.tp)
+    hop = seqs * shape.hidden * 2 / (pp_link.bandwidth * link_eff) + pp_link.latency
+    tpot = plan.pp * stage + (plan.pp - 1) * hop
+    # Decode is bound by reading each stage's weights once per step whatever the micro-batching,
+    # so pipeline stages add capacity (memory), not rate: each replica emits `seqs` per TPOT.
+    throughput = plan.dp * seqs / tpot
+    # Prefill of one `context`-token prompt (FLOP-bound), TP all-reduces over its activations.
+    pre_flops = 2 * active * work.context + 4 * shape.num_layers * shape.hidden * work.context**2
+    prefill = pre_flops / plan.tp / flops
+    prefill += (
+        shape.num_layers
+        * 2
+        * _all_reduce(work.context * shape.hidden * 2, plan.tp, tp_link, link_eff)
+    )
+    prefill += (plan.pp - 1) * (work.context * shape.hidden * 2 / (pp_link.bandwidth * link_eff))
+    return Estimate(
+        plan,
+        mem,
+        mem <= capacity,
+        prefill,
+        tpot,
+        throughput,
+        {
+            "weights_gb": (dense_w + expert_w) / 1e9,
+            "kv_gb": kv / 1e9,
+            "compute_ms": compute * 1e3,
+            "memory_ms": memory * 1e3,
+            "tp_comm_ms": tp_comm * 1e3,
+            "ep_comm_ms": ep_comm * 1e3,
+        },
+    )
