@@ -41,6 +41,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "also DSINFER_TRUSTED_KEYS)",
     )
     p.add_argument(
+        "--parallel",
+        default=None,
+        metavar="tp=N",
+        help="tensor parallel over N processes (torch.distributed, gloo on CPU)",
+    )
+    p.add_argument(
         "--no-mtp",
         action="store_true",
         help="do not use a DeepSeek-V3 checkpoint's MTP layer for speculative decoding",
@@ -50,6 +56,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="opt out of the trust policy: load unsigned artifacts and raw checkpoints",
     )
+
+
+def parse_parallel(spec: str | None) -> int:
+    """`tp=N` → N. Pipeline and expert parallel (pp=, ep=) and `auto` are not built yet."""
+    if spec is None:
+        return 1
+    key, _, value = spec.partition("=")
+    if key != "tp" or not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"--parallel {spec!r}: write tp=N (pipeline/expert parallel and 'auto' are not "
+            "built yet; `dsinfer plan` predicts them)"
+        )
+    return int(value)
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -64,6 +83,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         trusted_keys=tuple(args.trusted_key),
         allow_unsigned=args.allow_unsigned,
         mtp=not args.no_mtp,
+        tensor_parallel=parse_parallel(args.parallel),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),
@@ -95,12 +115,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = engine.tokenizer.encode(args.prompt)
     engine.add_request(ids, params)
     finish = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
-            if out.finished:
-                finish = out.outputs[0].finish_reason
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+                if out.finished:
+                    finish = out.outputs[0].finish_reason
+    finally:
+        engine.shutdown()
     sys.stdout.write("\n")
     logging.getLogger("dsinfer").info("finish_reason=%s", finish)
     return 0

@@ -131,6 +131,7 @@ class EngineConfig:
     allow_unsigned: bool = False
     # Self-speculative decoding with a DeepSeek-V3 checkpoint's MTP layer, when it has one.
     mtp: bool = True
+    tensor_parallel: int = 1  # processes the model is split over (gloo on CPU)
 
 
 def parse_memory(text: str | int) -> int:

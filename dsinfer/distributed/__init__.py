@@ -1,1 +1,1 @@
-"""Parallel state (world size 1 for now: identity communication)."""
+"""Process groups and collectives; identities when the world is one process."""

@@ -41,6 +41,7 @@ class LLM:
         trusted_keys: tuple[str, ...] | list[str] = (),
         allow_unsigned: bool = False,
         mtp: bool = True,
+        tensor_parallel: int = 1,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -53,6 +54,7 @@ class LLM:
             trusted_keys=tuple(str(k) for k in trusted_keys),
             allow_unsigned=allow_unsigned,
             mtp=mtp,
+            tensor_parallel=tensor_parallel,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=parse_memory(kv_cache_memory),

@@ -18,10 +18,11 @@ from dsinfer.engine.kv_cache_manager import KVCacheManager
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dsinfer.engine.request import Request, RequestStatus
 from dsinfer.engine.scheduler import Scheduler, StepUpdate
-from dsinfer.models.loader import EMBEDDED_MODELS, resolve_model_path
+from dsinfer.models.loader import EMBEDDED_MODELS, LoadedModel, resolve_model_path
 from dsinfer.sampling import SamplingParams, check_token_ids
 from dsinfer.tokenizer import Tokenizer, load_tokenizer
 from dsinfer.worker.executor import UniprocExecutor
+from dsinfer.worker.multiproc_executor import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -33,21 +34,34 @@ class _Tracked:
     detok: IncrementalDetokenizer
 
 
+def load_for_config(config: EngineConfig) -> LoadedModel:
+    """The model an engine config names: an artifact (verified under the trust policy) or a
+    checkpoint. Module-level, so tensor-parallel workers can be handed it by reference."""
+    policy = TrustPolicy.from_options(config.trusted_keys, config.allow_unsigned)
+    return load_model_source(
+        config.model,
+        policy,
+        config.dtype,
+        str(resolve_device(config.device)),
+        config.random_weights,
+        config.seed,
+        enable_mtp=config.mtp,
+        random_quant=config.random_quant,
+    )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = resolve_device(config.device)
-        policy = TrustPolicy.from_options(config.trusted_keys, config.allow_unsigned)
-        loaded = load_model_source(
-            config.model,
-            policy,
-            config.dtype,
-            str(device),
-            config.random_weights,
-            config.seed,
-            enable_mtp=config.mtp,
-            random_quant=config.random_quant,
-        )
+        if config.tensor_parallel > 1:
+            self.executor: UniprocExecutor | MultiprocExecutor = MultiprocExecutor(
+                config, load_for_config, device
+            )
+            loaded = self.executor.loaded
+        else:
+            loaded = load_for_config(config)
+            self.executor = UniprocExecutor(loaded, config.cache, device, config.seed, config.mtp)
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.version = loaded.version  # an artifact's short version hash, else None
@@ -58,7 +72,6 @@ class LLMEngine:
         )
         self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
         logger.info("KV cache: %d bytes per token (%s)", self.kv_bytes_per_token, loaded.dtype)
-        self.executor = UniprocExecutor(loaded, config.cache, device, config.seed, config.mtp)
         self.block_size = config.cache.block_size
         self.max_model_len = min(
             loaded.config.max_position_embeddings,
@@ -183,6 +196,11 @@ class LLMEngine:
             prompt_logprobs=plp,
             metrics=metrics,
         )
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (nothing to do for one process)."""
+        if isinstance(self.executor, MultiprocExecutor):
+            self.executor.shutdown()
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsinfer.distributed.comm import all_reduce
+from dsinfer.distributed.parallel_state import get_tp
+
 
 class LinearMethod:
     """Seam for weight formats: how to create parameters and how to apply them."""
@@ -57,12 +60,25 @@ class Linear(nn.Module):
         shard_names: Sequence[str] | None = None,
         method: LinearMethod | None = None,
         quantizable: bool = True,
+        parallel: str | None = None,
     ) -> None:
+        """`parallel`: None (replicated), "column" (each TP rank keeps its slice of every
+        shard's output rows) or "row" (its slice of the input columns; outputs all-reduced)."""
         super().__init__()
         # False when another module reads `weight` directly (MLA's kv_b_proj), so the
         # weight must stay a plain float matrix.
         self.quantizable = quantizable
         sizes = [out_features] if isinstance(out_features, int) else list(out_features)
+        tp = get_tp()
+        self.parallel = parallel if tp.tp_size > 1 else None
+        self.tp_rank, self.tp_size = tp.tp_rank, tp.tp_size
+        split = {"column": (tp.tp_size, 1), "row": (1, tp.tp_size)}.get(self.parallel, (1, 1))
+        split_dims = {"column": sizes, "row": [in_features]}.get(self.parallel, [])
+        for n in split_dims:
+            if n % tp.tp_size:
+                raise ValueError(f"{n} does not split over {tp.tp_size} tensor-parallel ranks")
+        sizes = [s // split[0] for s in sizes]
+        in_features //= split[1]
         self.in_features = in_features
         self.out_features = sum(sizes)
         self.method = method or UnquantizedLinearMethod()
@@ -89,7 +105,17 @@ class Linear(nn.Module):
         self.method = method
         method.create_weights(self, self.out_features, self.in_features)
 
+    def _local(self, param: torch.Tensor, loaded: torch.Tensor, rows: int) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor (column: rows; row: weight columns)."""
+        if self.parallel == "column":
+            return loaded.narrow(0, self.tp_rank * rows, rows)
+        if self.parallel == "row" and loaded.dim() == 2:
+            return loaded.narrow(1, self.tp_rank * self.in_features, self.in_features)
+        return loaded
+
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:
+        rows = self.shards[shard][1] if shard is not None else param.shape[0]
+        loaded = self._local(param, loaded, rows)
         if shard is None:
             default_weight_loader(param, loaded)
             return
@@ -103,4 +129,7 @@ class Linear(nn.Module):
         dst.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        if self.parallel != "row":
+            return self.method.apply(self, x, self.bias)
+        y = all_reduce(self.method.apply(self, x, None))  # partial sums of this rank's columns
+        return y if self.bias is None else y + self.bias

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
+from dsinfer.distributed.parallel_state import get_tp
 from dsinfer.layers.attention import AttentionMetadata
 from dsinfer.layers.attention.mla import MLAPagedAttention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
@@ -137,6 +138,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)
+        if get_tp().tp_size > 1:
+            raise ValueError("tensor parallel for DeepSeek-V2/V3 (MLA, MoE) is not built yet")
         self.config = cfg
         self.model = DeepseekModel(cfg)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None

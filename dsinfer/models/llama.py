@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
+from dsinfer.distributed.parallel_state import get_tp
 from dsinfer.layers.activation import get_gated_activation
 from dsinfer.layers.attention import AttentionMetadata, TorchPagedAttention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
@@ -25,14 +26,24 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, D]
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.h, self.kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tp = get_tp().tp_size
+        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+            raise ValueError(
+                f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads do not split over "
+                f"{tp} tensor-parallel ranks"
+            )
+        self.d = cfg.head_dim
+        # Heads of this tensor-parallel rank (all of them for one process).
+        self.h, self.kv = cfg.num_heads // tp, cfg.num_kv_heads // tp
+        d, h, kv = self.d, cfg.num_heads, cfg.num_kv_heads
         self.qkv_proj = Linear(
             cfg.hidden_size,
-            [self.h * self.d, self.kv * self.d, self.kv * self.d],
+            [h * d, kv * d, kv * d],
             bias=cfg.qkv_bias,
             shard_names=("q", "k", "v"),
+            parallel="column",
         )
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_bias, parallel="row")
         self.attn = TorchPagedAttention(self.h, self.kv, self.d, self.d**-0.5)
 
     def forward(
@@ -53,8 +64,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         i = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, [i, i], shard_names=("gate", "up"))
-        self.down_proj = Linear(i, cfg.hidden_size)
+        self.gate_up_proj = Linear(
+            cfg.hidden_size, [i, i], shard_names=("gate", "up"), parallel="column"
+        )
+        self.down_proj = Linear(i, cfg.hidden_size, parallel="row")
         self.act = get_gated_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,8 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        if self.engine is not None:
+            self.engine.shutdown()  # tensor-parallel workers, if any
 
     def _send(self, kind: str, payload: object) -> None:
         self._inbox.put((kind, payload))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from dsinfer.config import CacheConfig, ModelConfig
+from dsinfer.distributed.parallel_state import get_tp
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +29,12 @@ def num_blocks_for_budget(model: ModelConfig, cache: CacheConfig, dtype: torch.d
 def allocate_kv_cache(
     model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
 ) -> tuple[list[tuple[torch.Tensor, ...]], int]:
-    """Allocate (and touch, so a too-large pool fails now, not mid-request) the whole pool."""
+    """Allocate (and touch, so a too-large pool fails now, not mid-request) the whole pool.
+
+    Under tensor parallel each rank caches its own KV heads only (the budget is per rank)."""
+    tp = get_tp().tp_size
+    if tp > 1 and "kv_lora_rank" not in model.extra:
+        model = dataclasses.replace(model, num_kv_heads=model.num_kv_heads // tp)
     n = num_blocks_for_budget(model, cache, dtype)
     caches: list[tuple[torch.Tensor, ...]]
     if "kv_lora_rank" in model.extra:

@@ -29,7 +29,9 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         speculative: bool = True,
+        driver: bool = True,
     ) -> None:
+        self.driver = driver  # tensor-parallel workers run the forward pass only
         self.model = loaded.model
         self.config = loaded.config
         self.dtype = loaded.dtype
@@ -67,6 +69,8 @@ class ModelRunner:
             return result
         inp = build_model_input(out.seqs, self.block_size, self.device)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, hidden]
+        if not self.driver:
+            return result
 
         sample_idx = [i for i, s in enumerate(inp.seqs) if s.do_sample]
         if sample_idx:

@@ -1,0 +1,29 @@
+"""Collectives for tensor parallel; no-ops for one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsinfer.distributed.parallel_state import get_tp
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the TP group (fp32 on the wire: gloo has no bf16 reduction)."""
+    if get_tp().tp_size == 1:
+        return x
+    if x.dtype in (torch.float32, torch.float64):
+        dist.all_reduce(x)
+        return x
+    wide = x.float()
+    dist.all_reduce(wide)
+    return wide.to(x.dtype)
+
+
+def broadcast_object(obj: Any = None) -> Any:
+    """Rank 0's object on every rank (the step's SchedulerOutput)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

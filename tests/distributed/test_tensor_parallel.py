@@ -1,0 +1,97 @@
+"""Tensor parallel over two processes (gloo): greedy tokens equal the single process, for a batch
+of different-length prompts, with a pool small enough to force preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsinfer import LLM, SamplingParams
+from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig
+from dsinfer.engine.llm_engine import LLMEngine
+from tests.helpers import tiny_llama_dir
+
+PROMPTS = [[1, 5, 9, 33, 200, 7], [1, 7], [1, *range(40, 70)], [1, 300, 3, 8, 9]]
+
+
+def _generate(engine: LLMEngine, n: int = 24) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[i] for i in ids]
+
+
+def test_tp2_greedy_equals_single_process_with_preemption(tmp_path):
+    torch.manual_seed(11)
+    src = tiny_llama_dir(tmp_path / "tiny")
+    cache = CacheConfig(block_size=4, num_blocks=14)  # 56 slots for ~100 tokens: preempts
+    config = EngineConfig(
+        model=str(src), dtype="float32", cache=cache, scheduler=SchedulerConfig(max_num_seqs=4)
+    )
+    single = LLMEngine(config)
+    ref = _generate(single)
+    tp = LLMEngine(_with_tp(config, 2))
+    try:
+        got = _generate(tp)
+        assert got == ref
+        assert tp.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+        runner = tp.executor.runner
+        # Rank 0 holds half of the heads and half of the MLP: its own shard only.
+        attn = runner.model.model.layers[0].self_attn
+        assert (attn.h, attn.kv) == (2, 1)
+        assert runner.kv_caches[0][0].shape[1] == 1  # one of the two KV heads per rank
+    finally:
+        tp.shutdown()
+
+
+def _with_tp(config: EngineConfig, n: int) -> EngineConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, tensor_parallel=n)
+
+
+def test_tp_refuses_shapes_that_do_not_split(tmp_path):
+    src = tiny_llama_dir(tmp_path / "tiny")
+    with pytest.raises(Exception, match="split"):
+        LLM(str(src), num_blocks=8, block_size=4, tensor_parallel=3)
+
+
+def test_cli_generate_with_tp2_matches_single(tmp_path, capsys):
+    from dsinfer.cli import main
+
+    torch.manual_seed(12)
+    src = str(tiny_llama_dir(tmp_path / "tiny"))
+    argv = ["generate", "--model", src, "--prompt", "w5 w9 w33", "--max-tokens", "8"]
+    argv += ["--dtype", "float32", "--num-kv-blocks", "32", "--block-size", "4"]
+    assert main(argv) == 0
+    single = capsys.readouterr().out
+    assert main([*argv, "--parallel", "tp=2"]) == 0
+    assert capsys.readouterr().out == single
+    assert main([*argv, "--parallel", "pp=2"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_dead_worker_fails_the_step_instead_of_hanging(tmp_path):
+    torch.manual_seed(13)
+    src = tiny_llama_dir(tmp_path / "tiny")
+    config = EngineConfig(
+        model=str(src),
+        dtype="float32",
+        cache=CacheConfig(block_size=4, num_blocks=16),
+        tensor_parallel=2,
+    )
+    engine = LLMEngine(config)
+    try:
+        engine.executor.procs[0].kill()
+        engine.executor.procs[0].join()
+        engine.add_request([1, 5, 9], SamplingParams(max_tokens=4))
+        with pytest.raises(RuntimeError, match="died"):
+            engine.step()
+    finally:
+        from dsinfer.distributed.parallel_state import destroy_tensor_parallel
+
+        destroy_tensor_parallel()
