@@ -80,6 +80,8 @@ def estimate(shape: ModelShape, plan: Plan, profile: DeviceProfile, work: Worklo
     capacity = profile.memory_bytes
     if profile.shared_host:  # CPU "devices" are processes: they share the bandwidth and RAM
         bw /= plan.devices
+        if profile.device_bandwidth:  # … and one alone cannot use all of it
+            bw = min(bw, profile.device_bandwidth * profile.eff("memory"))
         capacity /= plan.devices
     link_eff = profile.eff("link")
     shards = plan.tp * plan.pp
@@ -101,6 +103,9 @@ def estimate(shape: ModelShape, plan: Plan, profile: DeviceProfile, work: Worklo
     expert_read = touched * shape.moe_layers * shape.expert_params_per_layer_expert * wb
     read = (shape.dense_params - shape.embedding_params) * wb / shards
     read += expert_read / (expert_split * plan.pp) + kv
+    # dsinfer's tensor parallel keeps the LM head whole on rank 0 (the vocabulary is not split
+    # yet), so the driver reads all of it.
+    read += shape.head_params * wb * (1 - 1 / shards)
     active = shape.active_params()
     compute = 2 * active * seqs / shards / flops
     compute += 4 * shape.num_layers * shape.hidden * work.context * seqs / shards / flops  # attn

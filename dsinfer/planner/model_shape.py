@@ -33,6 +33,7 @@ class ModelShape:
     experts_per_token: int
     moe_layers: int
     embedding_params: int  # looked up, not multiplied
+    head_params: int  # the LM head's matrix (the embedding's when tied)
     kv_bytes_per_token: int  # at 2 bytes per element, all layers
     latent_kv: bool  # MLA: one latent per token, replicated across tensor-parallel ranks
 
@@ -51,6 +52,7 @@ def model_shape(cfg: ModelConfig, name: str = "model") -> ModelShape:
 
     net = build_model(cfg, torch.bfloat16, "meta")
     dense = expert = embed = 0
+    head = net.lm_head.weight.numel()
     moe_layers = 0
     for pname, p in net.named_parameters():
         if ".experts.w" in pname:
@@ -74,6 +76,7 @@ def model_shape(cfg: ModelConfig, name: str = "model") -> ModelShape:
         experts_per_token=int(m.get("num_experts_per_tok", 0)),
         moe_layers=moe_layers,
         embedding_params=embed,
+        head_params=head,
         kv_bytes_per_token=cfg.kv_bytes_per_token(torch.bfloat16),
         latent_kv="kv_lora_rank" in m,
     )

@@ -42,11 +42,53 @@ def int8_weight_rate() -> float:
     return 2 * n * k / _best(lambda: torch._weight_int8pack_mm(x, q, s))
 
 
+def _link_rank(rank: int, port: int, result: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    small, big = torch.ones(1536), torch.ones(4 * 1024**2)  # one token's hidden; 16 MiB
+    for _ in range(20):
+        dist.all_reduce(small)
+    t = time.perf_counter()
+    for _ in range(200):
+        dist.all_reduce(small)
+    latency = (time.perf_counter() - t) / 200 / 2  # a 2-rank all-reduce is ~2 messages
+    t = time.perf_counter()
+    for _ in range(5):
+        dist.all_reduce(big)
+    bandwidth = big.numel() * 4 / ((time.perf_counter() - t) / 5)  # 2(n-1)/n = 1 for n = 2
+    if rank == 0:
+        result.put((latency, bandwidth))
+    dist.destroy_process_group()
+
+
+def link_between_processes() -> tuple[float, float]:
+    """(latency per message, bytes/s) of gloo between two single-threaded local processes."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    result = ctx.Queue()
+    procs = [ctx.Process(target=_link_rank, args=(r, port, result)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    latency, bandwidth = result.get(timeout=120)
+    for p in procs:
+        p.join(timeout=30)
+    return latency, bandwidth
+
+
 def probe(name: str = "this-cpu") -> dict[str, Any]:
     threads = torch.get_num_threads()
     bandwidth = memory_bandwidth()
     torch.set_num_threads(1)  # one device = one single-threaded process
     try:
+        # One thread cannot saturate the memory system: a device's own ceiling.
+        device_bandwidth = memory_bandwidth()
         flops = {
             "float32": gemm_flops(torch.float32),
             "bfloat16": gemm_flops(torch.bfloat16),
@@ -56,14 +98,14 @@ def probe(name: str = "this-cpu") -> dict[str, Any]:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    # Ranks on one host talk through shared memory: as fast as a copy, ~20 µs per message
-    # through gloo's TCP loopback (an assumption, not measured here).
-    link = {"bandwidth": bandwidth / 2, "latency": 20e-6, "link": "gloo over loopback"}
+    latency, link_bw = link_between_processes()
+    link = {"bandwidth": link_bw, "latency": latency, "link": "gloo over loopback (measured)"}
     return {
         "name": name,
         "description": f"measured by dsinfer probe: {cores} cores, torch {torch.__version__}",
         "memory_bytes": ram,
         "memory_bandwidth": bandwidth,
+        "device_bandwidth": device_bandwidth,
         "flops": flops,
         "intra_node": link,
         "inter_node": {"bandwidth": 1.25e9, "latency": 50e-6, "link": "10 GbE (assumed)"},

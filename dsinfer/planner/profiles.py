@@ -31,6 +31,7 @@ class DeviceProfile:
     devices_per_node: int = 8
     efficiency: dict[str, float] = field(default_factory=dict)  # achievable share of peaks
     shared_host: bool = False  # all "devices" share one memory system (CPU processes)
+    device_bandwidth: float | None = None  # what one device alone reaches (one CPU thread)
     sources: tuple[str, ...] = ()
 
     def eff(self, kind: str) -> float:
@@ -59,6 +60,7 @@ def profile_from_dict(data: dict[str, Any]) -> DeviceProfile:
         devices_per_node=int(data.get("devices_per_node", 8)),
         efficiency={k: float(v) for k, v in data.get("efficiency", {}).items()},
         shared_host=bool(data.get("shared_host", False)),
+        device_bandwidth=data.get("device_bandwidth"),
         sources=tuple(data.get("sources", ())),
     )
 
