@@ -95,3 +95,35 @@ def test_dead_worker_fails_the_step_instead_of_hanging(tmp_path):
         from dsinfer.distributed.parallel_state import destroy_tensor_parallel
 
         destroy_tensor_parallel()
+
+
+def test_server_with_a_dead_tp_worker_answers_503_and_fails_health(tmp_path):
+    import httpx
+
+    from dsinfer.server.api import ServerSettings, build_app
+    from dsinfer.server.async_engine import AsyncEngine
+    from dsinfer.server.serving import ServedModel
+    from tests.server.conftest import running_server
+
+    src = tiny_llama_dir(tmp_path / "tiny", num_layers=1)
+    config = EngineConfig(
+        model=str(src), cache=CacheConfig(block_size=4, num_blocks=32), tensor_parallel=2
+    )
+    runner = AsyncEngine(lambda: LLMEngine(config))
+    served = ServedModel("tiny", runner, runner.engine.tokenizer, runner.engine.max_model_len)
+    try:
+        with running_server(build_app({"tiny": served}, ServerSettings())) as url:
+            body = {"prompt": "w5 w6", "max_tokens": 4}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+            worker = runner.engine.executor.procs[0]
+            worker.kill()
+            worker.join()
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 503 and "died" in r.json()["error"]["message"]
+            assert httpx.get(f"{url}/health").status_code == 503
+    finally:
+        runner._stop.set()  # the engine is dead: stop its thread without a collective
+        runner._wake.set()
+        from dsinfer.distributed.parallel_state import destroy_tensor_parallel
+
+        destroy_tensor_parallel()
