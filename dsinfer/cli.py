@@ -43,8 +43,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--parallel",
         default=None,
-        metavar="tp=N",
-        help="tensor parallel over N processes (torch.distributed, gloo on CPU)",
+        metavar="tp=N|pp=M",
+        help="tensor or pipeline parallel over processes (torch.distributed, gloo on CPU)",
     )
     p.add_argument(
         "--no-mtp",
@@ -58,17 +58,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_parallel(spec: str | None) -> int:
-    """`tp=N` → N. Pipeline and expert parallel (pp=, ep=) and `auto` are not built yet."""
+def parse_parallel(spec: str | None) -> tuple[int, int]:
+    """`tp=N` or `pp=M` → (tp, pp). Expert parallel (ep=), tp and pp together, and `auto`
+    are not built yet."""
     if spec is None:
-        return 1
-    key, _, value = spec.partition("=")
-    if key != "tp" or not value.isdigit() or int(value) < 1:
-        raise ValueError(
-            f"--parallel {spec!r}: write tp=N (pipeline/expert parallel and 'auto' are not "
-            "built yet; `dsinfer plan` predicts them)"
-        )
-    return int(value)
+        return 1, 1
+    sizes = {"tp": 1, "pp": 1}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        if key not in sizes or not value.isdigit() or int(value) < 1:
+            raise ValueError(
+                f"--parallel {spec!r}: write tp=N or pp=M (expert parallel and 'auto' are not "
+                "built yet; `dsinfer plan` predicts them)"
+            )
+        sizes[key] = int(value)
+    if sizes["tp"] > 1 and sizes["pp"] > 1:
+        raise ValueError("--parallel: tp and pp together are not built yet; use one of them")
+    return sizes["tp"], sizes["pp"]
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -83,7 +89,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         trusted_keys=tuple(args.trusted_key),
         allow_unsigned=args.allow_unsigned,
         mtp=not args.no_mtp,
-        tensor_parallel=parse_parallel(args.parallel),
+        tensor_parallel=parse_parallel(args.parallel)[0],
+        pipeline_parallel=parse_parallel(args.parallel)[1],
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),

@@ -131,7 +131,8 @@ class EngineConfig:
     allow_unsigned: bool = False
     # Self-speculative decoding with a DeepSeek-V3 checkpoint's MTP layer, when it has one.
     mtp: bool = True
-    tensor_parallel: int = 1  # processes the model is split over (gloo on CPU)
+    tensor_parallel: int = 1  # processes each layer is split over (gloo on CPU)
+    pipeline_parallel: int = 1  # stages the layers are split into (one process each)
 
 
 def parse_memory(text: str | int) -> int:

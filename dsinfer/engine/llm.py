@@ -42,6 +42,7 @@ class LLM:
         allow_unsigned: bool = False,
         mtp: bool = True,
         tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -55,6 +56,7 @@ class LLM:
             allow_unsigned=allow_unsigned,
             mtp=mtp,
             tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=parse_memory(kv_cache_memory),

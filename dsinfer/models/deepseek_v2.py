@@ -138,8 +138,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)
-        if get_tp().tp_size > 1:
-            raise ValueError("tensor parallel for DeepSeek-V2/V3 (MLA, MoE) is not built yet")
+        if get_tp().tp_size > 1 or get_tp().pp_size > 1:
+            raise ValueError("tensor/pipeline parallel for DeepSeek-V2/V3 is not built yet")
         self.config = cfg
         self.model = DeepseekModel(cfg)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None

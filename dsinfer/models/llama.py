@@ -12,6 +12,7 @@ from torch import nn
 
 from dsinfer.config import ModelConfig
 from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.pipeline import pipeline_forward
 from dsinfer.layers.activation import get_gated_activation
 from dsinfer.layers.attention import AttentionMetadata, TorchPagedAttention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
@@ -101,7 +102,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        # A pipeline stage builds only its own layers; the others are empty placeholders that
+        # keep checkpoint indices (model.layers.{i}) aligned.
+        owned = get_tp().stage_layers(cfg.num_layers)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg) if i in owned else nn.Identity() for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -122,6 +128,14 @@ class LlamaForCausalLM(nn.Module):
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
 
+    def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
+        """Skip the decoder layers another pipeline stage owns (None: the generic rule)."""
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            if index not in get_tp().stage_layers(self.config.num_layers):
+                return "", None
+        return None
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -130,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T] → final hidden states [T, hidden]."""
+        if get_tp().pp_size > 1:
+            return pipeline_forward(self, input_ids, positions, kv_caches, meta)
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.cos_sin(positions, x.dtype)
         residual = None

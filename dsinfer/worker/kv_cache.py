@@ -32,9 +32,15 @@ def allocate_kv_cache(
     """Allocate (and touch, so a too-large pool fails now, not mid-request) the whole pool.
 
     Under tensor parallel each rank caches its own KV heads only (the budget is per rank)."""
-    tp = get_tp().tp_size
+    state = get_tp()
+    tp = state.tp_size
+    full = model
     if tp > 1 and "kv_lora_rank" not in model.extra:
         model = dataclasses.replace(model, num_kv_heads=model.num_kv_heads // tp)
+    owned = state.stage_layers(full.num_layers)
+    if state.pp_size > 1:  # a stage caches its own layers; every stage gets the same block count
+        per_stage = -(-full.num_layers // state.pp_size)
+        model = dataclasses.replace(model, num_layers=per_stage)
     n = num_blocks_for_budget(model, cache, dtype)
     caches: list[tuple[torch.Tensor, ...]]
     if "kv_lora_rank" in model.extra:
@@ -46,12 +52,15 @@ def allocate_kv_cache(
         ]
     else:
         shape = (n, model.num_kv_heads, cache.block_size, model.head_dim)
+        none = torch.empty(0, dtype=dtype, device=device)  # another stage's layer
         caches = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),
                 torch.zeros(shape, dtype=dtype, device=device),
             )
-            for _ in range(model.num_cache_layers)
+            if i in owned
+            else (none, none)
+            for i in range(full.num_cache_layers)
         ]
     logger.info(
         "KV pool: %d blocks × %d tokens = %d tokens, %.1f MiB",

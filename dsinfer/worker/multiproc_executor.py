@@ -1,4 +1,4 @@
-"""Tensor parallel over torch.distributed: rank 0 (this process) schedules; every step's
+"""Tensor or pipeline parallel over torch.distributed: rank 0 (this process) schedules; every step's
 SchedulerOutput is broadcast to the worker ranks, all ranks run the forward pass (the row-
 parallel layers all-reduce), and rank 0 samples.
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dsinfer.distributed.comm import broadcast_object
-from dsinfer.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from dsinfer.distributed.parallel_state import destroy_parallel, init_parallel
 from dsinfer.worker.model_runner import ModelRunner
 from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -39,7 +39,7 @@ def _threads(tp: int) -> int:
 
 def _worker(rank: int, size: int, port: int, config: Any, load: Callable, device: str) -> None:
     torch.set_num_threads(_threads(size))
-    init_tensor_parallel(rank, size, port)
+    init_parallel(rank, config.tensor_parallel, config.pipeline_parallel, port)
     loaded = load(config)
     runner = ModelRunner(loaded, config.cache, torch.device(device), config.seed, driver=False)
     while True:
@@ -47,12 +47,12 @@ def _worker(rank: int, size: int, port: int, config: Any, load: Callable, device
         if out is None:
             break
         runner.execute(out)
-    destroy_tensor_parallel()
+    destroy_parallel()
 
 
 class MultiprocExecutor:
     def __init__(self, config: Any, load: Callable, device: torch.device) -> None:
-        size = config.tensor_parallel
+        size = config.tensor_parallel * config.pipeline_parallel
         port = _free_port()
         ctx = mp.get_context("spawn")
         self.procs = [
@@ -64,7 +64,7 @@ class MultiprocExecutor:
         for p in self.procs:
             p.start()
         torch.set_num_threads(_threads(size))
-        init_tensor_parallel(0, size, port)
+        init_parallel(0, config.tensor_parallel, config.pipeline_parallel, port)
         try:
             self.loaded = load(config)
             self.runner = ModelRunner(
@@ -73,9 +73,14 @@ class MultiprocExecutor:
         except BaseException:
             for p in self.procs:
                 p.kill()
-            destroy_tensor_parallel()
+            destroy_parallel()
             raise
-        logger.info("tensor parallel over %d processes (gloo)", size)
+        logger.info(
+            "tp=%d pp=%d over %d processes (gloo)",
+            config.tensor_parallel,
+            config.pipeline_parallel,
+            size,
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -93,4 +98,4 @@ class MultiprocExecutor:
             broadcast_object(None)
         for p in self.procs:
             p.join(timeout=10)
-        destroy_tensor_parallel()
+        destroy_parallel()

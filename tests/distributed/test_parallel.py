@@ -1,5 +1,5 @@
-"""Tensor parallel over two processes (gloo): greedy tokens equal the single process, for a batch
-of different-length prompts, with a pool small enough to force preemption."""
+"""Tensor and pipeline parallel over two processes (gloo): greedy tokens equal the single process,
+for a batch of different-length prompts, with a pool small enough to force preemption."""
 
 from __future__ import annotations
 
@@ -71,7 +71,9 @@ def test_cli_generate_with_tp2_matches_single(tmp_path, capsys):
     single = capsys.readouterr().out
     assert main([*argv, "--parallel", "tp=2"]) == 0
     assert capsys.readouterr().out == single
-    assert main([*argv, "--parallel", "pp=2"]) == 2
+    assert main([*argv, "--parallel", "pp=2"]) == 0
+    assert capsys.readouterr().out == single
+    assert main([*argv, "--parallel", "ep=2"]) == 2
     assert "not built yet" in capsys.readouterr().err
 
 
@@ -92,9 +94,9 @@ def test_dead_worker_fails_the_step_instead_of_hanging(tmp_path):
         with pytest.raises(RuntimeError, match="died"):
             engine.step()
     finally:
-        from dsinfer.distributed.parallel_state import destroy_tensor_parallel
+        from dsinfer.distributed.parallel_state import destroy_parallel
 
-        destroy_tensor_parallel()
+        destroy_parallel()
 
 
 def test_server_with_a_dead_tp_worker_answers_503_and_fails_health(tmp_path):
@@ -124,6 +126,28 @@ def test_server_with_a_dead_tp_worker_answers_503_and_fails_health(tmp_path):
     finally:
         runner._stop.set()  # the engine is dead: stop its thread without a collective
         runner._wake.set()
-        from dsinfer.distributed.parallel_state import destroy_tensor_parallel
+        from dsinfer.distributed.parallel_state import destroy_parallel
 
-        destroy_tensor_parallel()
+        destroy_parallel()
+
+
+def test_pp2_greedy_equals_single_process_with_preemption(tmp_path):
+    import dataclasses
+
+    torch.manual_seed(14)
+    src = tiny_llama_dir(tmp_path / "tiny", num_layers=3)  # uneven: stages own 2 and 1 layers
+    cache = CacheConfig(block_size=4, num_blocks=14)
+    config = EngineConfig(
+        model=str(src), dtype="float32", cache=cache, scheduler=SchedulerConfig(max_num_seqs=4)
+    )
+    ref = _generate(LLMEngine(config))
+    pp = LLMEngine(dataclasses.replace(config, pipeline_parallel=2))
+    try:
+        assert _generate(pp) == ref
+        assert pp.scheduler.num_preemptions > 0
+        layers = pp.executor.runner.model.model.layers
+        assert [type(m).__name__ for m in layers] == ["LlamaDecoderLayer"] * 2 + ["Identity"]
+        caches = pp.executor.runner.kv_caches
+        assert caches[2][0].numel() == 0 and caches[0][0].numel() > 0  # no KV for stage 1's layer
+    finally:
+        pp.shutdown()

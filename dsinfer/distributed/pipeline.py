@@ -1,0 +1,52 @@
+"""Pipeline-parallel forward pass: each stage runs its own decoder layers in turn.
+
+Stage 0 embeds and runs its layers, sends (hidden, residual) [2, T, H] to the next stage, …; the
+last stage applies the final norm and sends the hidden states back to stage 0, which holds the
+scheduler and the sampler. All stages know T from the broadcast SchedulerOutput, so every
+receive buffer is sized without a handshake. Tensors travel as fp32 (exact for bf16; gloo's
+point-to-point has no bf16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsinfer.distributed.parallel_state import get_tp
+
+
+def _send(x: torch.Tensor, dst: int) -> None:
+    dist.send(x.float().contiguous(), dst=dst)
+
+
+def _recv(shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=torch.float32)
+    dist.recv(buf, src=src)
+    return buf.to(dtype)
+
+
+def pipeline_forward(
+    model: Any, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: Any
+) -> torch.Tensor:
+    """This stage's part of the forward pass; on stage 0, the final hidden states [T, H]."""
+    state = get_tp()
+    stage, stages = state.pp_rank, state.pp_size
+    inner = model.model
+    dtype = inner.embed_tokens.weight.dtype
+    t, h = input_ids.shape[0], model.config.hidden_size
+    rope = inner.rotary.cos_sin(positions, dtype)
+    if stage == 0:
+        x, residual = inner.embed_tokens(input_ids), None
+    else:
+        both = _recv((2, t, h), dtype, stage - 1)
+        x, residual = both[0], both[1]
+    for i in state.stage_layers(len(inner.layers)):
+        x, residual = inner.layers[i](x, residual, rope, kv_caches[i], meta)
+    if stage < stages - 1:
+        _send(torch.stack([x, residual]), stage + 1)
+        return _recv((t, h), dtype, stages - 1) if stage == 0 else x
+    x, _ = inner.norm(x, residual)
+    _send(x, 0)
+    return x
