@@ -43,8 +43,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--parallel",
         default=None,
-        metavar="tp=N|pp=M",
-        help="tensor or pipeline parallel over processes (torch.distributed, gloo on CPU)",
+        metavar="tp=N|pp=M|ep=K",
+        help="tensor, pipeline or expert parallel over processes (torch.distributed, gloo)",
     )
     p.add_argument(
         "--no-mtp",
@@ -58,23 +58,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_parallel(spec: str | None) -> tuple[int, int]:
-    """`tp=N` or `pp=M` → (tp, pp). Expert parallel (ep=), tp and pp together, and `auto`
-    are not built yet."""
+def parse_parallel(spec: str | None) -> tuple[int, int, int]:
+    """`tp=N`, `pp=M` or `ep=K` → (tp, pp, ep). Combinations and `auto` are not built yet."""
     if spec is None:
-        return 1, 1
-    sizes = {"tp": 1, "pp": 1}
+        return 1, 1, 1
+    sizes = {"tp": 1, "pp": 1, "ep": 1}
     for part in spec.split(","):
         key, _, value = part.partition("=")
         if key not in sizes or not value.isdigit() or int(value) < 1:
             raise ValueError(
-                f"--parallel {spec!r}: write tp=N or pp=M (expert parallel and 'auto' are not "
-                "built yet; `dsinfer plan` predicts them)"
+                f"--parallel {spec!r}: write tp=N, pp=M or ep=K ('auto' is not built yet; "
+                "`dsinfer plan` predicts plans)"
             )
         sizes[key] = int(value)
-    if sizes["tp"] > 1 and sizes["pp"] > 1:
-        raise ValueError("--parallel: tp and pp together are not built yet; use one of them")
-    return sizes["tp"], sizes["pp"]
+    if sum(n > 1 for n in sizes.values()) > 1:
+        raise ValueError("--parallel: combining tp, pp and ep is not built yet; use one")
+    return sizes["tp"], sizes["pp"], sizes["ep"]
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -91,6 +90,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         mtp=not args.no_mtp,
         tensor_parallel=parse_parallel(args.parallel)[0],
         pipeline_parallel=parse_parallel(args.parallel)[1],
+        expert_parallel=parse_parallel(args.parallel)[2],
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),

@@ -133,6 +133,7 @@ class EngineConfig:
     mtp: bool = True
     tensor_parallel: int = 1  # processes each layer is split over (gloo on CPU)
     pipeline_parallel: int = 1  # stages the layers are split into (one process each)
+    expert_parallel: int = 1  # processes the routed experts are placed over (MoE models)
 
 
 def parse_memory(text: str | int) -> int:

@@ -22,6 +22,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return wide.to(x.dtype)
 
 
+def all_reduce_ep(x: torch.Tensor) -> torch.Tensor:
+    """Sum the expert-parallel ranks' partial MoE outputs (the group is the world for now)."""
+    if get_tp().ep_size == 1:
+        return x
+    wide = x.float()
+    dist.all_reduce(wide)
+    return wide.to(x.dtype)
+
+
 def broadcast_object(obj: Any = None) -> Any:
     """Rank 0's object on every rank (the step's SchedulerOutput)."""
     box = [obj]

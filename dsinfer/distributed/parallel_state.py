@@ -13,12 +13,14 @@ import torch.distributed as dist
 @dataclass(frozen=True, slots=True)
 class ParallelState:
     """This process's place: tensor-parallel rank/size and pipeline stage/stages (one of the
-    two is 1 for now: a TP × PP grid needs sub-groups, not built yet)."""
+    others are 1 when one is above 1: a grid of them needs sub-groups, not built yet)."""
 
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
 
     def stage_layers(self, num_layers: int) -> range:
         """Decoder layers this pipeline stage owns (contiguous; the last stage may own fewer)."""
@@ -33,17 +35,19 @@ def get_tp() -> ParallelState:
     return _state
 
 
-def init_parallel(rank: int, tp: int, pp: int, port: int, backend: str = "gloo") -> None:
+def init_parallel(
+    rank: int, tp: int, pp: int, port: int, ep: int = 1, backend: str = "gloo"
+) -> None:
     """Join the group on 127.0.0.1:port (all ranks of one host); set this rank's state."""
     global _state
-    if _state.tp_size != 1 or _state.pp_size != 1:
+    if _state != ParallelState():
         raise RuntimeError("parallel state is already set in this process")
-    if tp > 1 and pp > 1:
-        raise ValueError("tensor and pipeline parallel together are not built yet")
+    if sum(n > 1 for n in (tp, pp, ep)) > 1:
+        raise ValueError("combining tensor, pipeline and expert parallel is not built yet")
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp * pp
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp * pp * ep
     )
-    _state = ParallelState(rank % tp, tp, rank // tp, pp)
+    _state = ParallelState(rank % tp, tp, rank // tp % pp, pp, rank % ep, ep)
 
 
 def destroy_parallel() -> None:

@@ -43,6 +43,7 @@ class LLM:
         mtp: bool = True,
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
+        expert_parallel: int = 1,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -57,6 +58,7 @@ class LLM:
             mtp=mtp,
             tensor_parallel=tensor_parallel,
             pipeline_parallel=pipeline_parallel,
+            expert_parallel=expert_parallel,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=parse_memory(kv_cache_memory),

@@ -54,7 +54,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = resolve_device(config.device)
-        if config.tensor_parallel * config.pipeline_parallel > 1:
+        if config.tensor_parallel * config.pipeline_parallel * config.expert_parallel > 1:
             self.executor: UniprocExecutor | MultiprocExecutor = MultiprocExecutor(
                 config, load_for_config, device
             )

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsinfer.distributed.comm import all_reduce_ep
+from dsinfer.distributed.parallel_state import get_tp
 from dsinfer.layers.activation import silu_and_mul
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.quant import int8_mm, quantize_int8
@@ -75,16 +77,32 @@ class RoutedExperts(nn.Module):
         e, i, h = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
         self.intermediate = i
         self.num_experts = e
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        # Expert parallel: this rank holds experts [first, first + local) of the e.
+        ep = get_tp()
+        if e % ep.ep_size:
+            raise ValueError(f"{e} routed experts do not split over {ep.ep_size} EP ranks")
+        local = e // ep.ep_size
+        self.first = ep.ep_rank * local
+        self.w13 = nn.Parameter(torch.empty(local, 2 * i, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local, h, i), requires_grad=False)
         # Checkpoints store each expert's gate/up/down separately: shard = (kind, expert).
-        self.w13.shards = [(k, x) for x in range(e) for k in ("gate", "up")]  # type: ignore[attr-defined]
-        self.w2.shards = [("down", x) for x in range(e)]  # type: ignore[attr-defined]
+        owned = range(self.first, self.first + local)
+        self.w13.shards = [(k, x) for x in owned for k in ("gate", "up")]  # type: ignore[attr-defined]
+        self.w2.shards = [("down", x) for x in owned]  # type: ignore[attr-defined]
         for p in (self.w13, self.w2):
             p.weight_loader = self._load  # type: ignore[attr-defined]
 
+    def owns(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.w13_rows
+
+    @property
+    def w13_rows(self) -> int:
+        w = self._parameters.get("w13")
+        return (w if w is not None else self.q13).shape[0]
+
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
         kind, e = shard
+        e -= self.first
         i = self.intermediate
         dst = {"gate": param.data[e, :i], "up": param.data[e, i:], "down": param.data[e]}[kind]
         if tuple(dst.shape) != tuple(loaded.shape):
@@ -139,13 +157,17 @@ class RoutedExperts(nn.Module):
         xs = x[token_of]  # [T*k, H], grouped by expert
         out = torch.empty_like(xs)
         start = 0
+        if self.w13_rows != self.num_experts:
+            out.zero_()  # other EP ranks' experts contribute through the all-reduce
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             seg = slice(start, start + n)
-            h = silu_and_mul(self._matmul(xs[seg], "13", e))  # [n, I]
-            out[seg] = self._matmul(h, "2", e)
             start += n
+            if not self.owns(e):
+                continue
+            h = silu_and_mul(self._matmul(xs[seg], "13", e - self.first))  # [n, I]
+            out[seg] = self._matmul(h, "2", e - self.first)
         out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
@@ -193,7 +215,7 @@ class DeepseekMoE(nn.Module):
         """x: [T, H] → [T, H]."""
         logits = F.linear(x.float(), self.gate.weight)  # [T, E] fp32
         weights, ids = route(logits, self.cfg, self.gate.e_score_correction_bias)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        out = self.experts(x, weights, ids)  # under EP: this rank's experts only
+        if self.shared_experts is not None and get_tp().ep_rank == 0:
+            out = out + self.shared_experts(x)  # once, not once per EP rank
+        return all_reduce_ep(out)

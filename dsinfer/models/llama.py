@@ -123,6 +123,8 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        if get_tp().ep_size > 1:
+            raise ValueError("expert parallel needs a mixture-of-experts model (DeepSeek-V2/V3)")
         self.config = cfg
         self.model = LlamaModel(cfg)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None

@@ -39,7 +39,9 @@ def _threads(tp: int) -> int:
 
 def _worker(rank: int, size: int, port: int, config: Any, load: Callable, device: str) -> None:
     torch.set_num_threads(_threads(size))
-    init_parallel(rank, config.tensor_parallel, config.pipeline_parallel, port)
+    init_parallel(
+        rank, config.tensor_parallel, config.pipeline_parallel, port, config.expert_parallel
+    )
     loaded = load(config)
     runner = ModelRunner(loaded, config.cache, torch.device(device), config.seed, driver=False)
     while True:
@@ -52,7 +54,7 @@ def _worker(rank: int, size: int, port: int, config: Any, load: Callable, device
 
 class MultiprocExecutor:
     def __init__(self, config: Any, load: Callable, device: torch.device) -> None:
-        size = config.tensor_parallel * config.pipeline_parallel
+        size = config.tensor_parallel * config.pipeline_parallel * config.expert_parallel
         port = _free_port()
         ctx = mp.get_context("spawn")
         self.procs = [
@@ -64,7 +66,9 @@ class MultiprocExecutor:
         for p in self.procs:
             p.start()
         torch.set_num_threads(_threads(size))
-        init_parallel(0, config.tensor_parallel, config.pipeline_parallel, port)
+        init_parallel(
+            0, config.tensor_parallel, config.pipeline_parallel, port, config.expert_parallel
+        )
         try:
             self.loaded = load(config)
             self.runner = ModelRunner(
@@ -76,9 +80,10 @@ class MultiprocExecutor:
             destroy_parallel()
             raise
         logger.info(
-            "tp=%d pp=%d over %d processes (gloo)",
+            "tp=%d pp=%d ep=%d over %d processes (gloo)",
             config.tensor_parallel,
             config.pipeline_parallel,
+            config.expert_parallel,
             size,
         )
 

@@ -1,5 +1,5 @@
-"""Tensor and pipeline parallel over two processes (gloo): greedy tokens equal the single process,
-for a batch of different-length prompts, with a pool small enough to force preemption."""
+"""Tensor, pipeline and expert parallel over two processes (gloo): greedy tokens equal the single
+process, for a batch of different-length prompts, with a pool small enough to force preemption."""
 
 from __future__ import annotations
 
@@ -73,8 +73,10 @@ def test_cli_generate_with_tp2_matches_single(tmp_path, capsys):
     assert capsys.readouterr().out == single
     assert main([*argv, "--parallel", "pp=2"]) == 0
     assert capsys.readouterr().out == single
-    assert main([*argv, "--parallel", "ep=2"]) == 2
+    assert main([*argv, "--parallel", "tp=2,pp=2"]) == 2
     assert "not built yet" in capsys.readouterr().err
+    assert main([*argv, "--parallel", "ep=2"]) == 2  # a dense model has no experts to place
+    assert "mixture-of-experts" in capsys.readouterr().err
 
 
 def test_dead_worker_fails_the_step_instead_of_hanging(tmp_path):
@@ -151,3 +153,37 @@ def test_pp2_greedy_equals_single_process_with_preemption(tmp_path):
         assert caches[2][0].numel() == 0 and caches[0][0].numel() > 0  # no KV for stage 1's layer
     finally:
         pp.shutdown()
+
+
+def test_ep2_deepseek_v3_greedy_equals_single_process_with_preemption(tmp_path):
+    import dataclasses
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from tests.models.test_deepseek_parity import CASES, COMMON
+    from tests.models.test_tiny_parity import _tokenizer_files
+
+    torch.manual_seed(15)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, **CASES["v3"][1]))
+    g = torch.Generator().manual_seed(16)
+    with torch.no_grad():  # a router that spreads tokens over both ranks' experts
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
+    model.save_pretrained(tmp_path / "v3")
+    _tokenizer_files(tmp_path / "v3")
+    cache = CacheConfig(block_size=4, num_blocks=14)
+    config = EngineConfig(
+        model=str(tmp_path / "v3"),
+        dtype="float32",
+        cache=cache,
+        scheduler=SchedulerConfig(max_num_seqs=4),
+    )
+    ref = _generate(LLMEngine(config))
+    ep = LLMEngine(dataclasses.replace(config, expert_parallel=2))
+    try:
+        assert _generate(ep) == ref
+        assert ep.scheduler.num_preemptions > 0
+        experts = ep.executor.runner.model.model.layers[1].mlp.experts
+        assert experts.w13.shape[0] == 4 and experts.first == 0  # 4 of the 8 experts on rank 0
+    finally:
+        ep.shutdown()
