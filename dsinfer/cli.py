@@ -43,7 +43,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--parallel",
         default=None,
-        metavar="tp=N|pp=M|ep=K",
+        metavar="auto|tp=N|pp=M|ep=K",
         help="tensor, pipeline or expert parallel over processes (torch.distributed, gloo)",
     )
     p.add_argument(
@@ -59,24 +59,34 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_parallel(spec: str | None) -> tuple[int, int, int]:
-    """`tp=N`, `pp=M` or `ep=K` → (tp, pp, ep). Combinations and `auto` are not built yet."""
+    """`tp=N`, `pp=M` or `ep=K` → (tp, pp, ep); `auto` → (0, 0, 0), planned later (combinations
+    are not built yet)."""
     if spec is None:
         return 1, 1, 1
+    if spec == "auto":
+        return 0, 0, 0  # resolved against the model by resolve_parallel
     sizes = {"tp": 1, "pp": 1, "ep": 1}
     for part in spec.split(","):
         key, _, value = part.partition("=")
         if key not in sizes or not value.isdigit() or int(value) < 1:
-            raise ValueError(
-                f"--parallel {spec!r}: write tp=N, pp=M or ep=K ('auto' is not built yet; "
-                "`dsinfer plan` predicts plans)"
-            )
+            raise ValueError(f"--parallel {spec!r}: write auto, tp=N, pp=M or ep=K")
         sizes[key] = int(value)
     if sum(n > 1 for n in sizes.values()) > 1:
         raise ValueError("--parallel: combining tp, pp and ep is not built yet; use one")
     return sizes["tp"], sizes["pp"], sizes["ep"]
 
 
+def resolve_parallel(spec: str | None, model: str) -> tuple[int, int, int]:
+    tp, pp, ep = parse_parallel(spec)
+    if tp == 0:
+        from dsinfer.planner.auto import choose_parallel
+
+        return choose_parallel(model)
+    return tp, pp, ep
+
+
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    tp, pp, ep = resolve_parallel(args.parallel, model)
     return EngineConfig(
         model=model,
         dtype=args.dtype,
@@ -88,9 +98,9 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         trusted_keys=tuple(args.trusted_key),
         allow_unsigned=args.allow_unsigned,
         mtp=not args.no_mtp,
-        tensor_parallel=parse_parallel(args.parallel)[0],
-        pipeline_parallel=parse_parallel(args.parallel)[1],
-        expert_parallel=parse_parallel(args.parallel)[2],
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        expert_parallel=ep,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),

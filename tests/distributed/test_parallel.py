@@ -187,3 +187,26 @@ def test_ep2_deepseek_v3_greedy_equals_single_process_with_preemption(tmp_path):
         assert experts.w13.shape[0] == 4 and experts.first == 0  # 4 of the 8 experts on rank 0
     finally:
         ep.shutdown()
+
+
+def test_parallel_auto_plans_for_this_machine_and_runs(tmp_path, capsys, caplog):
+    import logging
+
+    from dsinfer.cli import main
+    from dsinfer.models.loader import read_model_config
+    from dsinfer.planner.auto import runnable_plans
+    from dsinfer.planner.cost_model import Plan
+    from dsinfer.planner.model_shape import model_shape
+
+    torch.manual_seed(17)
+    src = tiny_llama_dir(tmp_path / "tiny")
+    shape = model_shape(read_model_config(src))
+    assert set(runnable_plans(shape, 2)) == {Plan(1, 1, 1), Plan(2, 1, 1), Plan(1, 2, 1)}
+    argv = ["generate", "--model", str(src), "--prompt", "w5 w9", "--max-tokens", "4"]
+    argv += ["--dtype", "float32", "--num-kv-blocks", "16", "--block-size", "4"]
+    assert main(argv) == 0
+    single = capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="dsinfer.planner.auto"):
+        assert main([*argv, "--parallel", "auto"]) == 0
+    assert "--parallel auto:" in caplog.text  # the chosen plan and every prediction, logged
+    assert capsys.readouterr().out == single
