@@ -5,6 +5,7 @@ It is set before the model is built (each rank builds only its shard), and never
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -12,8 +13,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True, slots=True)
 class ParallelState:
-    """This process's place: tensor-parallel rank/size and pipeline stage/stages (one of the
-    others are 1 when one is above 1: a grid of them needs sub-groups, not built yet)."""
+    """This process's place in tensor, pipeline and expert parallel (at most one of the three
+    is above 1: a grid of them needs sub-groups, not built yet)."""
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -27,8 +28,24 @@ class ParallelState:
         per = -(-num_layers // self.pp_size)
         return range(self.pp_rank * per, min(num_layers, (self.pp_rank + 1) * per))
 
+    def expert_range(self, num_experts: int) -> range:
+        """Routed experts this expert-parallel rank holds (contiguous, equal shares)."""
+        if num_experts % self.ep_size:
+            raise ValueError(
+                f"{num_experts} routed experts do not split over {self.ep_size} EP ranks"
+            )
+        per = num_experts // self.ep_size
+        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+
 
 _state = ParallelState()
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the group's rendezvous point)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def get_tp() -> ParallelState:

@@ -77,28 +77,16 @@ class RoutedExperts(nn.Module):
         e, i, h = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
         self.intermediate = i
         self.num_experts = e
-        # Expert parallel: this rank holds experts [first, first + local) of the e.
-        ep = get_tp()
-        if e % ep.ep_size:
-            raise ValueError(f"{e} routed experts do not split over {ep.ep_size} EP ranks")
-        local = e // ep.ep_size
-        self.first = ep.ep_rank * local
-        self.w13 = nn.Parameter(torch.empty(local, 2 * i, h), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(local, h, i), requires_grad=False)
+        # Expert parallel: this rank holds experts owned = [first, first + local) of the e.
+        owned = get_tp().expert_range(e)
+        self.owned, self.first = owned, owned.start
+        self.w13 = nn.Parameter(torch.empty(len(owned), 2 * i, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(len(owned), h, i), requires_grad=False)
         # Checkpoints store each expert's gate/up/down separately: shard = (kind, expert).
-        owned = range(self.first, self.first + local)
         self.w13.shards = [(k, x) for x in owned for k in ("gate", "up")]  # type: ignore[attr-defined]
         self.w2.shards = [("down", x) for x in owned]  # type: ignore[attr-defined]
         for p in (self.w13, self.w2):
             p.weight_loader = self._load  # type: ignore[attr-defined]
-
-    def owns(self, expert: int) -> bool:
-        return self.first <= expert < self.first + self.w13_rows
-
-    @property
-    def w13_rows(self) -> int:
-        w = self._parameters.get("w13")
-        return (w if w is not None else self.q13).shape[0]
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
         kind, e = shard
@@ -157,14 +145,14 @@ class RoutedExperts(nn.Module):
         xs = x[token_of]  # [T*k, H], grouped by expert
         out = torch.empty_like(xs)
         start = 0
-        if self.w13_rows != self.num_experts:
+        if len(self.owned) != self.num_experts:
             out.zero_()  # other EP ranks' experts contribute through the all-reduce
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             seg = slice(start, start + n)
             start += n
-            if not self.owns(e):
+            if e not in self.owned:
                 continue
             h = silu_and_mul(self._matmul(xs[seg], "13", e - self.first))  # [n, I]
             out[seg] = self._matmul(h, "2", e - self.first)

@@ -189,8 +189,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if m is None:
             return None
         prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
-        ep = get_tp()
-        if expert // (self.config.extra["n_routed_experts"] // ep.ep_size) != ep.ep_rank:
+        if expert not in get_tp().expert_range(self.config.extra["n_routed_experts"]):
             return "", None  # another expert-parallel rank's expert
         return f"{prefix}.{'w2' if kind == 'down' else 'w13'}", (kind, expert)
 

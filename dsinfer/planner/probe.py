@@ -66,11 +66,10 @@ def _link_rank(rank: int, port: int, result: Any) -> None:
 def link_between_processes() -> tuple[float, float]:
     """(latency per message, bytes/s) of gloo between two single-threaded local processes."""
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from dsinfer.distributed.parallel_state import free_local_port
+
+    port = free_local_port()
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
     procs = [ctx.Process(target=_link_rank, args=(r, port, result)) for r in (0, 1)]

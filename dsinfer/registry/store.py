@@ -38,6 +38,11 @@ class Version:
     label: str | None = None
     state: str = "ready"  # ready | draining
 
+    @classmethod
+    def of(cls, served: Servable, path: str, label: str | None = None) -> Version:
+        """A version whose id comes from the served name NAME@VERSION (`local`: no version)."""
+        return cls(served.name.partition("@")[2] or "local", served, path, label)
+
     def matches(self, ref: str) -> bool:
         return ref == self.label or (len(ref) >= 4 and self.id.startswith(ref)) or ref == self.id
 

@@ -46,8 +46,7 @@ async def load_version(
     served = await asyncio.to_thread(build, name, path)
     try:
         await warm_up(served)
-        version_id = served.name.partition("@")[2] or "local"
-        version = Version(version_id, served, path, label)
+        version = Version.of(served, path, label)
         registry.add(name, version)
     except BaseException:
         served.engine.shutdown()

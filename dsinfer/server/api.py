@@ -44,7 +44,7 @@ def as_registry(models: ModelRegistry | dict[str, ServedModel]) -> ModelRegistry
         return models
     registry = ModelRegistry()
     for name, served in models.items():
-        registry.add(name, Version(served.name.partition("@")[2] or "local", served, name))
+        registry.add(name, Version.of(served, name))
     return registry
 
 

@@ -61,7 +61,7 @@ def load_served_models(args: argparse.Namespace) -> ModelRegistry:
     registry = ModelRegistry()
     for name, path in [parse_model_spec(s) for s in (args.model or ["smollm2"])]:
         served = build(name, path)
-        registry.add(name, Version(served.name.partition("@")[2] or "local", served, path))
+        registry.add(name, Version.of(served, path))
     return registry
 
 

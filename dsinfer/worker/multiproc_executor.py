@@ -13,24 +13,21 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dsinfer.distributed.comm import broadcast_object
-from dsinfer.distributed.parallel_state import destroy_parallel, init_parallel
+from dsinfer.distributed.parallel_state import (
+    destroy_parallel,
+    free_local_port,
+    init_parallel,
+)
 from dsinfer.worker.model_runner import ModelRunner
 from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _threads(tp: int) -> int:
@@ -55,7 +52,7 @@ def _worker(rank: int, size: int, port: int, config: Any, load: Callable, device
 class MultiprocExecutor:
     def __init__(self, config: Any, load: Callable, device: torch.device) -> None:
         size = config.tensor_parallel * config.pipeline_parallel * config.expert_parallel
-        port = _free_port()
+        port = free_local_port()
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(

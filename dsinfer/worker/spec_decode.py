@@ -69,7 +69,6 @@ class MTPDrafter:
         draft_rows: list[int] = []
         draft_reqs: list[str] = []
         for s, last in zip(inp.seqs, inp.last_rows, strict=True):
-            first = last - len(s.token_ids) + 1
             if s.req_id in result.sampled:
                 verified = [result.sampled[s.req_id], *result.bonus.get(s.req_id, [])]
                 base = last - s.num_draft  # the row that predicted verified[0]
@@ -80,7 +79,6 @@ class MTPDrafter:
                     draft_reqs.append(s.req_id)
             elif s.next_token_id is not None:
                 next_ids[last] = s.next_token_id
-            assert first <= last
         h = self.model.mtp_hidden(next_ids, hidden, inp.positions, self.kv_caches, inp.meta)
         if not draft_rows:
             return
