@@ -26,7 +26,7 @@ from dsinfer.artifact.signing import sign_dir
 from dsinfer.artifact.weights_io import save_weights
 from dsinfer.config import parse_dtype
 from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, quantize_model
-from dsinfer.models.loader import LoadedModel, load_model
+from dsinfer.models.loader import LoadedModel, load_model, resolve_model_path
 from dsinfer.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,12 +51,12 @@ def check_options(opts: CompileOptions) -> None:
         )
 
 
-def float_dtype(opts: CompileOptions, checkpoint_dtype: str | None) -> torch.dtype:
-    if opts.dtype != "auto":
-        return parse_dtype(opts.dtype)
-    if opts.quant == "none":
-        return parse_dtype("auto", checkpoint_dtype)
-    return torch.bfloat16  # the packed int8/int4 CPU kernels are vectorised for bf16
+def float_dtype(opts: CompileOptions) -> str | torch.dtype:
+    """The dtype of what stays float: as asked; by default the checkpoint's ("auto") when
+    nothing is quantised, else bf16 (the packed int8/int4 CPU kernels are vectorised for it)."""
+    if opts.dtype != "auto" or opts.quant == "none":
+        return opts.dtype
+    return torch.bfloat16
 
 
 def _dedup_tied(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -143,16 +143,13 @@ def compile_artifact(src: str, out: Path, opts: CompileOptions) -> Manifest:
     if out.exists() and not opts.force:
         raise ArtifactError(f"{out} exists; choose another -o or pass --force to replace it")
     t0 = time.perf_counter()
-    from dsinfer.models.loader import read_model_config, resolve_model_path
-
-    cfg = read_model_config(resolve_model_path(src))
-    if opts.quant == "int4" and opts.group_size > 32 and str(src).endswith((".gguf", "smollm2")):
+    if opts.quant == "int4" and opts.group_size > 32 and resolve_model_path(src).is_file():
         # GGUF's 4/5-bit types quantise in groups of 32; wider groups cannot reproduce their
         # grid (SmolLM2 Q4_1 → int4/64: perplexity +48%, measured).
         logger.warning("the GGUF source is quantised in groups of 32; --group-size 32 keeps it")
-    dtype = float_dtype(opts, cfg.checkpoint_dtype)
     quantised = opts.quant in ("int8", "int4")
-    loaded = load_model(src, torch.float32 if quantised else dtype)
+    loaded = load_model(src, torch.float32 if quantised else float_dtype(opts))
+    dtype = parse_dtype(float_dtype(opts)) if quantised else loaded.dtype
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from dsinfer.artifact.compiler import CompileOptions, compile_artifact, float_dtype
+from dsinfer.artifact.compiler import CompileOptions, compile_artifact
 from dsinfer.artifact.reader import load_artifact
 from dsinfer.artifact.verify import TrustPolicy
 from dsinfer.config import CacheConfig, ModelConfig, parse_memory
@@ -143,7 +143,7 @@ def compile_with_report(
     manifest = compile_artifact(src, out, opts)
     seconds = time.perf_counter() - t0
     compiled = load_artifact(out, TrustPolicy(allow_unsigned=True))
-    reference = load_model(src, compiled.dtype if opts.quant != "none" else float_dtype(opts, None))
+    reference = load_model(src, compiled.dtype)
     unfuse(reference.model)
     budget = parse_memory(kv_budget)
     return {
