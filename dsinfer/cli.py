@@ -7,6 +7,7 @@ import logging
 import sys
 
 from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
+from dsinfer.distributed.parallel_state import check_grid
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -43,8 +44,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--parallel",
         default=None,
-        metavar="auto|tp=N|pp=M|ep=K",
-        help="tensor, pipeline or expert parallel over processes (torch.distributed, gloo)",
+        metavar="auto|tp=N,pp=M,ep=K",
+        help="tensor × pipeline (× expert) parallel over processes (torch.distributed), e.g. "
+        "tp=2, pp=2, tp=2,pp=2, tp=4,ep=4; auto: plan for this machine",
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="machines the ranks spread over")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 serves)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    p.add_argument(
+        "--master-port", type=int, default=None, help="node 0's rendezvous port (several nodes)"
     )
     p.add_argument(
         "--no-mtp",
@@ -59,8 +67,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_parallel(spec: str | None) -> tuple[int, int, int]:
-    """`tp=N`, `pp=M` or `ep=K` → (tp, pp, ep); `auto` → (0, 0, 0), planned later (combinations
-    are not built yet)."""
+    """`tp=N,pp=M,ep=K` (any of them, any order) → (tp, pp, ep); `auto` → (0, 0, 0), planned
+    later against the model."""
     if spec is None:
         return 1, 1, 1
     if spec == "auto":
@@ -69,10 +77,9 @@ def parse_parallel(spec: str | None) -> tuple[int, int, int]:
     for part in spec.split(","):
         key, _, value = part.partition("=")
         if key not in sizes or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--parallel {spec!r}: write auto, tp=N, pp=M or ep=K")
+            raise ValueError(f"--parallel {spec!r}: write auto or tp=N,pp=M,ep=K (any of them)")
         sizes[key] = int(value)
-    if sum(n > 1 for n in sizes.values()) > 1:
-        raise ValueError("--parallel: combining tp, pp and ep is not built yet; use one")
+    check_grid(sizes["tp"], sizes["pp"], sizes["ep"])
     return sizes["tp"], sizes["pp"], sizes["ep"]
 
 
@@ -101,6 +108,10 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         tensor_parallel=tp,
         pipeline_parallel=pp,
         expert_parallel=ep,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),
@@ -115,10 +126,22 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     )
 
 
+def run_worker_node(args: argparse.Namespace, model: str) -> int:
+    """`--node-rank n > 0`: this machine only runs its ranks of node 0's engine."""
+    from dsinfer.device import resolve_device
+    from dsinfer.engine.llm_engine import load_for_config
+    from dsinfer.worker.multiproc_executor import run_worker_node as run_node
+
+    config = engine_config(args, model)
+    return run_node(config, load_for_config, resolve_device(config.device))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from dsinfer.engine.llm_engine import LLMEngine
     from dsinfer.sampling import SamplingParams
 
+    if args.node_rank > 0:
+        return run_worker_node(args, args.model)
     engine = LLMEngine(engine_config(args, args.model))
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -147,8 +170,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dsinfer.server.launch import serve
+    from dsinfer.server.launch import parse_model_spec, serve
 
+    if args.nnodes > 1 and len(args.model or ["smollm2"]) > 1:
+        raise ValueError("--nnodes > 1 serves one --model (its ranks span the nodes)")
+    if args.node_rank > 0:
+        return run_worker_node(args, parse_model_spec((args.model or ["smollm2"])[0])[1])
     return serve(args)
 
 

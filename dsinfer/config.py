@@ -134,6 +134,12 @@ class EngineConfig:
     tensor_parallel: int = 1  # processes each layer is split over (gloo on CPU)
     pipeline_parallel: int = 1  # stages the layers are split into (one process each)
     expert_parallel: int = 1  # processes the routed experts are placed over (MoE models)
+    # Multi-node rendezvous (torchrun's names): the ranks are spread evenly over `nnodes`
+    # machines; node 0 runs rank 0 (the scheduler, the server) at master_addr:master_port.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # one node: a free local port
 
 
 def parse_memory(text: str | int) -> int:

@@ -71,7 +71,7 @@ def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]: 
     return gen.sequences[0, len(ids) :].tolist(), torch.stack([lg[0] for lg in gen.logits])
 
 
-def tiny_llama_dir(path, num_layers: int = 2):  # noqa: ANN001, ANN201
+def tiny_llama_dir(path, num_layers: int = 2, tied: bool = False):  # noqa: ANN001, ANN201
     """A tiny random Llama checkpoint with a word-level tokenizer, saved by transformers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -85,6 +85,7 @@ def tiny_llama_dir(path, num_layers: int = 2):  # noqa: ANN001, ANN201
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
     LlamaForCausalLM(cfg).save_pretrained(path)
     _tokenizer_files(path)

@@ -39,3 +39,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "npu":
         torch.npu.synchronize(device)  # type: ignore[attr-defined]
+
+
+def distributed_backend(device: torch.device) -> str:
+    """torch.distributed's backend for ranks on this kind of device: gloo on CPU, NCCL on CUDA
+    GPUs, HCCL on Ascend NPUs (registered by torch_npu)."""
+    return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type]
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device a rank with this index on its node runs on (one accelerator per rank), made
+    current so collectives and new tensors use it."""
+    if device.type == "cpu":
+        return device
+    dev = torch.device(device.type, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(dev)
+    else:
+        torch.npu.set_device(dev)  # type: ignore[attr-defined]
+    return dev

@@ -1,4 +1,4 @@
-"""Collectives for tensor parallel; no-ops for one process."""
+"""Collectives inside a pipeline stage (its TP/EP ranks); identities for one rank per stage."""
 
 from __future__ import annotations
 
@@ -7,27 +7,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.parallel_state import get_tp, stage_group
 
 
 def _sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the world (fp32 on the wire: gloo has no bf16 reduction)."""
+    """Sum over the stage's ranks (fp32 on the wire: gloo has no bf16 reduction)."""
     if x.dtype in (torch.float32, torch.float64):
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=stage_group())
         return x
     wide = x.float()
-    dist.all_reduce(wide)
+    dist.all_reduce(wide, group=stage_group())
     return wide.to(x.dtype)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the TP group (the world, while parallel kinds are not combined)."""
+    """Sum over the TP group (row-parallel outputs, vocabulary-parallel embeddings)."""
     return x if get_tp().tp_size == 1 else _sum(x)
 
 
-def all_reduce_ep(x: torch.Tensor) -> torch.Tensor:
-    """Sum the expert-parallel ranks' partial MoE outputs (the world, likewise)."""
-    return x if get_tp().ep_size == 1 else _sum(x)
+def all_reduce_stage(x: torch.Tensor) -> torch.Tensor:
+    """Sum the partial MoE outputs of the stage's ranks (experts placed or sliced over it)."""
+    return x if get_tp().width == 1 else _sum(x)
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """[N, V/tp] on each TP rank → [N, V], rank order along the last dimension."""
+    n = get_tp().tp_size
+    if n == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=stage_group())
+    return torch.cat(parts, dim=-1)
 
 
 def broadcast_object(obj: Any = None) -> Any:

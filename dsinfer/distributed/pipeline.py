@@ -2,7 +2,9 @@
 
 Stage 0 embeds and runs its layers, sends (hidden, residual) [2, T, H] to the next stage, …; the
 last stage applies the final norm and sends the hidden states back to stage 0, which holds the
-scheduler and the sampler. All stages know T from the broadcast SchedulerOutput, so every
+scheduler, the LM head and the sampler. With tensor parallel inside the stages, every rank has
+the whole hidden states after its layer's all-reduce, so rank i of a stage sends to rank i of
+the next. All stages know T from the broadcast SchedulerOutput, so every
 receive buffer is sized without a handshake. Tensors travel as fp32 (exact for bf16; gloo's
 point-to-point has no bf16).
 """
@@ -34,19 +36,19 @@ def pipeline_forward(
     state = get_tp()
     stage, stages = state.pp_rank, state.pp_size
     inner = model.model
-    dtype = inner.embed_tokens.weight.dtype
+    dtype = inner.norm.weight.dtype  # the embedding lives on stage 0 only
     t, h = input_ids.shape[0], model.config.hidden_size
     rope = inner.rotary.cos_sin(positions, dtype)
     if stage == 0:
         x, residual = inner.embed_tokens(input_ids), None
     else:
-        both = _recv((2, t, h), dtype, stage - 1)
+        both = _recv((2, t, h), dtype, state.global_rank(stage - 1))
         x, residual = both[0], both[1]
     for i in state.stage_layers(len(inner.layers)):
         x, residual = inner.layers[i](x, residual, rope, kv_caches[i], meta)
     if stage < stages - 1:
-        _send(torch.stack([x, residual]), stage + 1)
-        return _recv((t, h), dtype, stages - 1) if stage == 0 else x
+        _send(torch.stack([x, residual]), state.global_rank(stage + 1))
+        return _recv((t, h), dtype, state.global_rank(stages - 1)) if stage == 0 else x
     x, _ = inner.norm(x, residual)
-    _send(x, 0)
+    _send(x, state.global_rank(0))
     return x

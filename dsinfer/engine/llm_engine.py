@@ -22,7 +22,7 @@ from dsinfer.models.loader import EMBEDDED_MODELS, LoadedModel, resolve_model_pa
 from dsinfer.sampling import SamplingParams, check_token_ids
 from dsinfer.tokenizer import Tokenizer, load_tokenizer
 from dsinfer.worker.executor import UniprocExecutor
-from dsinfer.worker.multiproc_executor import MultiprocExecutor
+from dsinfer.worker.multiproc_executor import MultiprocExecutor, world_size
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = resolve_device(config.device)
-        if config.tensor_parallel * config.pipeline_parallel * config.expert_parallel > 1:
+        if world_size(config) > 1:
             self.executor: UniprocExecutor | MultiprocExecutor = MultiprocExecutor(
                 config, load_for_config, device
             )

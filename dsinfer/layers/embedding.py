@@ -1,4 +1,10 @@
-"""Token embedding and the LM head (which may share the embedding's weight)."""
+"""Token embedding and the LM head (which may share the embedding's weight).
+
+Under tensor parallel both split the vocabulary: rank r holds rows [r·V/tp, (r+1)·V/tp) of the
+table. The embedding looks up the ids that fall in its range (zeros elsewhere) and the TP group
+sums; the head computes its slice of the logits and the group gathers them. A vocabulary that
+does not divide by tp stays whole on every rank.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsinfer.layers.linear import Linear, default_weight_loader
+from dsinfer.distributed.comm import all_gather_last, all_reduce
+from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.layers.linear import Linear
+
+
+def vocab_splits(vocab_size: int) -> bool:
+    tp = get_tp().tp_size
+    return tp > 1 and vocab_size % tp == 0
 
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        tp = get_tp()
+        self.split = vocab_splits(vocab_size)
+        rows = vocab_size // tp.tp_size if self.split else vocab_size
+        self.start = tp.tp_rank * rows if self.split else 0
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: None = None) -> None:
+        rows = param.shape[0]
+        if loaded.shape[0] != rows * (get_tp().tp_size if self.split else 1) or (
+            loaded.shape[1:] != param.shape[1:]
+        ):
+            raise ValueError(
+                f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
+                f"{tuple(param.shape)} per rank"
+            )
+        param.data.copy_(loaded.narrow(0, self.start, rows))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if not self.split:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        return all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
 
 class LMHead(Linear):
@@ -28,10 +61,14 @@ class LMHead(Linear):
     quant_sensitive = True
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None) -> None:
-        super().__init__(hidden_size, vocab_size)
+        split = vocab_splits(vocab_size)
+        super().__init__(hidden_size, vocab_size, parallel="column" if split else None)
         self.tied = tied_to is not None
         if tied_to is not None:
             self.weight = tied_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, hidden, None).float()
+        """[N, hidden] → [N, vocab] fp32 (a collective under a split vocabulary: every TP rank
+        of stage 0 calls it for the same rows)."""
+        logits = self.method.apply(self, hidden, None).float()
+        return all_gather_last(logits) if self.parallel == "column" else logits

@@ -61,10 +61,13 @@ class Linear(nn.Module):
         method: LinearMethod | None = None,
         quantizable: bool = True,
         parallel: str | None = None,
+        reduce: bool = True,
     ) -> None:
         """`parallel`: None (replicated), "column" (each TP rank keeps its slice of every
-        shard's output rows) or "row" (its slice of the input columns; outputs all-reduced)."""
+        shard's output rows) or "row" (its slice of the input columns; outputs all-reduced,
+        unless `reduce` is False: the caller sums partial outputs of several layers at once)."""
         super().__init__()
+        self.reduce = reduce
         # False when another module reads `weight` directly (MLA's kv_b_proj), so the
         # weight must stay a plain float matrix.
         self.quantizable = quantizable
@@ -131,5 +134,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel != "row":
             return self.method.apply(self, x, self.bias)
-        y = all_reduce(self.method.apply(self, x, None))  # partial sums of this rank's columns
+        y = self.method.apply(self, x, None)  # partial sums of this rank's columns
+        if not self.reduce:
+            assert self.bias is None, "a partial output cannot carry the bias"
+            return y
+        y = all_reduce(y)
         return y if self.bias is None else y + self.bias

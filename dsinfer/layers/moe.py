@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsinfer.distributed.comm import all_reduce_ep
+from dsinfer.distributed.comm import all_reduce_stage
 from dsinfer.distributed.parallel_state import get_tp
 from dsinfer.layers.activation import silu_and_mul
 from dsinfer.layers.linear import Linear
@@ -70,15 +70,29 @@ def route(
 
 
 class RoutedExperts(nn.Module):
-    """All routed experts' weights stacked: w13 [E, 2I, H] ([gate | up]) and w2 [E, H, I]."""
+    """All routed experts' weights stacked: w13 [E, 2I, H] ([gate | up]) and w2 [E, H, I].
+
+    Expert parallel keeps whole experts of this rank's range; tensor parallel without EP keeps
+    every expert with its intermediate dimension cut (gate/up rows, down columns), as a
+    column → row parallel MLP. Either way the output is a partial sum the stage adds up."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
-        e, i, h = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size
+        state = get_tp()
+        e, h = cfg.num_experts, cfg.hidden_size
+        slices = state.expert_slices
+        if cfg.intermediate_size % slices:
+            raise ValueError(
+                f"moe_intermediate_size {cfg.intermediate_size} does not split over {slices} "
+                "tensor-parallel ranks; use expert parallel (ep = tp)"
+            )
+        i = cfg.intermediate_size // slices
+        # This rank's slice of each expert's intermediate rows: [slice_start, slice_start + i).
+        self.slice_start = (state.tp_rank if slices > 1 else 0) * i
         self.intermediate = i
         self.num_experts = e
         # Expert parallel: this rank holds experts owned = [first, first + local) of the e.
-        owned = get_tp().expert_range(e)
+        owned = state.expert_range(e)
         self.owned, self.first = owned, owned.start
         self.w13 = nn.Parameter(torch.empty(len(owned), 2 * i, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(len(owned), h, i), requires_grad=False)
@@ -91,7 +105,9 @@ class RoutedExperts(nn.Module):
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
         kind, e = shard
         e -= self.first
-        i = self.intermediate
+        i, lo = self.intermediate, self.slice_start
+        # gate/up: [I, H] → rows [lo, lo + i); down: [H, I] → columns [lo, lo + i).
+        loaded = loaded.narrow(1 if kind == "down" else 0, lo, i) if loaded.dim() == 2 else loaded
         dst = {"gate": param.data[e, :i], "up": param.data[e, i:], "down": param.data[e]}[kind]
         if tuple(dst.shape) != tuple(loaded.shape):
             raise ValueError(
@@ -161,10 +177,15 @@ class RoutedExperts(nn.Module):
 
 
 class SharedExperts(nn.Module):
+    """Under tensor parallel, column → row parallel with the sum left to DeepseekMoE (one
+    all-reduce for routed and shared experts together)."""
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], shard_names=("gate", "up"))
-        self.down_proj = Linear(intermediate, hidden)
+        self.gate_up_proj = Linear(
+            hidden, [intermediate, intermediate], shard_names=("gate", "up"), parallel="column"
+        )
+        self.down_proj = Linear(intermediate, hidden, parallel="row", reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -203,7 +224,9 @@ class DeepseekMoE(nn.Module):
         """x: [T, H] → [T, H]."""
         logits = F.linear(x.float(), self.gate.weight)  # [T, E] fp32
         weights, ids = route(logits, self.cfg, self.gate.e_score_correction_bias)
-        out = self.experts(x, weights, ids)  # under EP: this rank's experts only
-        if self.shared_experts is not None and get_tp().ep_rank == 0:
-            out = out + self.shared_experts(x)  # once, not once per EP rank
-        return all_reduce_ep(out)
+        out = self.experts(x, weights, ids)  # partial: this rank's experts (or slices of them)
+        state = get_tp()
+        # Shared experts: TP-sliced on every rank, or (EP without TP) whole on local rank 0.
+        if self.shared_experts is not None and (state.tp_size > 1 or state.local_rank == 0):
+            out = out + self.shared_experts(x)
+        return all_reduce_stage(out)

@@ -18,13 +18,18 @@ from dsinfer.config import ModelConfig
 from dsinfer.distributed.parallel_state import get_tp
 from dsinfer.layers.attention import AttentionMetadata
 from dsinfer.layers.attention.mla import MLAPagedAttention
-from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.moe import DeepseekMoE, MoEConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, apply_rotary, yarn_mscale
 from dsinfer.models.deepseek_mtp import build_mtp_layer, map_mtp_name, mtp_forward
-from dsinfer.models.llama import LlamaForCausalLM, LlamaMLP
+from dsinfer.models.llama import (
+    LlamaForCausalLM,
+    LlamaMLP,
+    skip_other_stage,
+    stage_embedding,
+    stage_lm_head,
+)
 
 logger = logging.getLogger(__name__)
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -40,28 +45,38 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLA(nn.Module):
+    """Under tensor parallel each rank owns num_heads / tp heads after the latent: the latent
+    projections (q_a, kv_a) are replicated, q_b / kv_b keep the rank's heads' rows, o_proj its
+    heads' columns; the latent cache is whole on every rank."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         m = cfg.extra
         h, hidden = cfg.num_heads, cfg.hidden_size
-        self.h, self.nope, self.rope_dim = h, m["qk_nope_head_dim"], m["qk_rope_head_dim"]
+        tp = get_tp().tp_size
+        if h % tp:
+            raise ValueError(f"{h} attention heads do not split over {tp} tensor-parallel ranks")
+        self.h, self.nope, self.rope_dim = h // tp, m["qk_nope_head_dim"], m["qk_rope_head_dim"]
         self.v, self.lora = m["v_head_dim"], m["kv_lora_rank"]
         qk = self.nope + self.rope_dim
         self.q_lora = m["q_lora_rank"]
         if self.q_lora:
             self.q_a_proj = Linear(hidden, self.q_lora)
             self.q_a_layernorm = RMSNorm(self.q_lora, cfg.rms_norm_eps)
-            self.q_b_proj = Linear(self.q_lora, h * qk)
+            self.q_b_proj = Linear(self.q_lora, h * qk, parallel="column")
         else:
-            self.q_proj = Linear(hidden, h * qk)
+            self.q_proj = Linear(hidden, h * qk, parallel="column")
         self.kv_a_proj_with_mqa = Linear(hidden, self.lora + self.rope_dim)
         self.kv_a_layernorm = RMSNorm(self.lora, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(self.lora, h * (self.nope + self.v), quantizable=False)
-        self.o_proj = Linear(h * self.v, hidden)
+        # Rows are per head ([H, nope + v] × lora), so a column split keeps whole heads.
+        self.kv_b_proj = Linear(
+            self.lora, h * (self.nope + self.v), quantizable=False, parallel="column"
+        )
+        self.o_proj = Linear(h * self.v, hidden, parallel="row")
         scale = qk**-0.5
         if cfg.rope.kind == "yarn" and cfg.rope.mscale_all_dim:
             scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
-        self.attn = MLAPagedAttention(h, self.nope, self.rope_dim, self.v, self.lora, scale)
+        self.attn = MLAPagedAttention(self.h, self.nope, self.rope_dim, self.v, self.lora, scale)
 
     def forward(
         self, x: torch.Tensor, rope: Rope, cache: tuple[torch.Tensor, ...], meta: AttentionMetadata
@@ -122,11 +137,15 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = stage_embedding(cfg)
         self.rotary = RotaryEmbedding(
             cfg.extra["qk_rope_head_dim"], cfg.max_position_embeddings, cfg.rope
         )
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        owned = get_tp().stage_layers(cfg.num_layers)  # as LlamaModel: other stages' are empty
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(cfg, i) if i in owned else nn.Identity()
+            for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -138,12 +157,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)
-        if get_tp().tp_size > 1 or get_tp().pp_size > 1:
-            raise ValueError("tensor/pipeline parallel for DeepSeek-V2/V3 is not built yet")
         self.config = cfg
         self.model = DeepseekModel(cfg)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+        self.lm_head = stage_lm_head(cfg, self.model.embed_tokens)
         self._mtp_prefix = f"model.layers.{cfg.num_layers}."
         # The multi-token-prediction layer, when the checkpoint carries it and it is enabled.
         self.mtp = build_mtp_layer(cfg, DeepseekDecoderLayer) if cfg.num_mtp_layers else None
@@ -155,7 +171,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         prefix = f"model.layers.{cfg.num_layers}."
         wanted = cfg.extra.get("num_nextn_predict_layers", 0) > 0
         has = names is None or any(n.startswith(prefix) for n in names)
-        return cfg.with_mtp(1 if wanted and has else 0)
+        # Speculative decoding runs in one process only: parallel ranks neither build nor
+        # cache the MTP layer.
+        alone = get_tp().world == 1
+        return cfg.with_mtp(1 if wanted and has and alone else 0)
 
     def mtp_hidden(
         self,
@@ -172,6 +191,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return mtp_forward(self.mtp, embeds, hidden, rope, kv_caches[self.config.num_layers], meta)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
+        if skip_other_stage(name, self.config.num_layers):
+            return "", None
         if name.startswith(self._mtp_prefix):
             if self.mtp is None:
                 return "", None  # MTP off (or not wanted): its weights are not loaded

@@ -97,10 +97,32 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def stage_embedding(cfg: ModelConfig) -> VocabEmbedding | None:
+    """The token embedding, on the first pipeline stage only (the others receive states)."""
+    return VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if get_tp().is_first_stage else None
+
+
+def stage_lm_head(cfg: ModelConfig, embedding: VocabEmbedding | None) -> LMHead | None:
+    """The LM head, on the first stage only: it holds the sampler (and the tied embedding)."""
+    if not get_tp().is_first_stage:
+        return None
+    return LMHead(cfg.vocab_size, cfg.hidden_size, embedding if cfg.tie_word_embeddings else None)
+
+
+def skip_other_stage(name: str, num_layers: int) -> bool:
+    """A checkpoint tensor another pipeline stage holds: its decoder layers, and the
+    embedding and LM head off the first stage."""
+    state = get_tp()
+    if name.startswith("model.layers."):
+        index = int(name.split(".")[2])
+        return index < num_layers and index not in state.stage_layers(num_layers)
+    return not state.is_first_stage and name.startswith(("model.embed_tokens.", "lm_head."))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = stage_embedding(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         # A pipeline stage builds only its own layers; the others are empty placeholders that
         # keep checkpoint indices (model.layers.{i}) aligned.
@@ -127,16 +149,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("expert parallel needs a mixture-of-experts model (DeepSeek-V2/V3)")
         self.config = cfg
         self.model = LlamaModel(cfg)
-        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tied)
+        self.lm_head = stage_lm_head(cfg, self.model.embed_tokens)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
-        """Skip the decoder layers another pipeline stage owns (None: the generic rule)."""
-        if name.startswith("model.layers."):
-            index = int(name.split(".")[2])
-            if index not in get_tp().stage_layers(self.config.num_layers):
-                return "", None
-        return None
+        """Skip what another pipeline stage holds (None: the generic rule)."""
+        return ("", None) if skip_other_stage(name, self.config.num_layers) else None
 
     def forward(
         self,
@@ -161,4 +178,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] → fp32 logits [N, vocab]."""
+        assert self.lm_head is not None, "logits are computed on the first pipeline stage"
         return self.lm_head(hidden)

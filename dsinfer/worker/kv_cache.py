@@ -42,26 +42,29 @@ def allocate_kv_cache(
         per_stage = -(-full.num_layers // state.pp_size)
         model = dataclasses.replace(model, num_layers=per_stage)
     n = num_blocks_for_budget(model, cache, dtype)
-    caches: list[tuple[torch.Tensor, ...]]
+    none = torch.empty(0, dtype=dtype, device=device)  # another stage's layer
     if "kv_lora_rank" in model.extra:
-        # MLA layout: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one per layer.
+        # MLA layout: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one per layer;
+        # every TP rank keeps the whole latent (each of its heads reads all of it).
         width = model.extra["kv_lora_rank"] + model.extra["qk_rope_head_dim"]
-        caches = [
-            (torch.zeros((n, cache.block_size, width), dtype=dtype, device=device),)
-            for _ in range(model.num_cache_layers)
-        ]
+
+        def layer_cache() -> tuple[torch.Tensor, ...]:
+            return (torch.zeros((n, cache.block_size, width), dtype=dtype, device=device),)
+
     else:
         shape = (n, model.num_kv_heads, cache.block_size, model.head_dim)
-        none = torch.empty(0, dtype=dtype, device=device)  # another stage's layer
-        caches = [
-            (
+
+        def layer_cache() -> tuple[torch.Tensor, ...]:
+            return (
                 torch.zeros(shape, dtype=dtype, device=device),
                 torch.zeros(shape, dtype=dtype, device=device),
             )
-            if i in owned
-            else (none, none)
-            for i in range(full.num_cache_layers)
-        ]
+
+    # Layers past num_layers (the MTP layer) run on one process only.
+    caches = [
+        layer_cache() if i in owned or i >= full.num_layers else (none,) * 2
+        for i in range(full.num_cache_layers)
+    ]
     logger.info(
         "KV pool: %d blocks × %d tokens = %d tokens, %.1f MiB",
         n,

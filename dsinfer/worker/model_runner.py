@@ -70,12 +70,11 @@ class ModelRunner:
         inp = build_model_input(out.seqs, self.block_size, self.device)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, hidden]
         if not self.driver:
+            self._mirror_logits(inp, hidden)
             return result
 
-        sample_idx = [i for i, s in enumerate(inp.seqs) if s.do_sample]
+        sample_idx, rows = self._sample_rows(inp)
         if sample_idx:
-            row_of = sample_rows(inp)
-            rows = torch.tensor([row_of[i] for i in sample_idx], device=self.device)
             logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
             states = [self.states[inp.seqs[i].req_id] for i in sample_idx]
             tokens, lps = self.sampler(logits, states)
@@ -94,22 +93,48 @@ class ModelRunner:
         self._prompt_logprobs(inp, hidden, result)
         return result
 
-    def _prompt_logprobs(self, inp, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:  # noqa: ANN001
-        """Logprob of each prompt token given its prefix, for rows inside this chunk."""
+    def _sample_rows(self, inp) -> tuple[list[int], torch.Tensor | None]:  # noqa: ANN001
+        """Which sequences sample this step, and the hidden-state row of each."""
+        sample_idx = [i for i, s in enumerate(inp.seqs) if s.do_sample]
+        if not sample_idx:
+            return sample_idx, None
+        row_of = sample_rows(inp)
+        return sample_idx, torch.tensor([row_of[i] for i in sample_idx], device=self.device)
+
+    def _prompt_rows(self, inp) -> list[tuple[int, int, int]]:  # noqa: ANN001
+        """(sequence index, first row, rows) whose prompt logprobs this chunk yields: row r
+        holds position start_pos + r and predicts prompt[pos + 1]."""
+        spans = []
         for i, s in enumerate(inp.seqs):
             if not s.want_prompt_logprobs:
                 continue
-            first_row = inp.last_rows[i] - len(s.token_ids) + 1
-            st = self.states[s.req_id]
-            prompt = st.prompt_token_ids
-            # Row r holds position s.start_pos + r and predicts prompt[pos + 1].
+            prompt = self.states[s.req_id].prompt_token_ids
             n = min(len(s.token_ids), len(prompt) - 1 - s.start_pos)
-            if n <= 0:
-                continue
+            if n > 0:
+                spans.append((i, inp.last_rows[i] - len(s.token_ids) + 1, n))
+        return spans
+
+    def _mirror_logits(self, inp, hidden: torch.Tensor) -> None:  # noqa: ANN001
+        """A split vocabulary makes the LM head a collective: the other TP ranks of the first
+        stage compute the same logits as the driver, in the same order, and drop them.
+        (No drafts reach here: speculative decoding is off under parallel execution.)"""
+        head = getattr(self.model, "lm_head", None)
+        if head is None or head.parallel != "column":
+            return
+        _, rows = self._sample_rows(inp)
+        if rows is not None:
+            self.model.compute_logits(hidden[rows])
+        for _, first, n in self._prompt_rows(inp):
+            self.model.compute_logits(hidden[first : first + n])
+
+    def _prompt_logprobs(self, inp, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:  # noqa: ANN001
+        """Logprob of each prompt token given its prefix, for rows inside this chunk."""
+        for i, first_row, n in self._prompt_rows(inp):
+            s = inp.seqs[i]
+            st = self.states[s.req_id]
             logits = self.model.compute_logits(hidden[first_row : first_row + n])
-            targets = prompt[s.start_pos + 1 : s.start_pos + 1 + n]
-            top_n = st.params.prompt_logprobs or 0
-            entries = prompt_logprob_entries(logits, targets, top_n)
+            targets = st.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + n]
+            entries = prompt_logprob_entries(logits, targets, st.params.prompt_logprobs or 0)
             result.prompt_logprobs[s.req_id] = [
                 (s.start_pos + 1 + j, e) for j, e in enumerate(entries)
             ]
