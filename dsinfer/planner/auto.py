@@ -1,5 +1,5 @@
-"""`--parallel auto`: plan for this machine (a probed profile) among the plans dsinfer can run —
-one replica, one kind of parallelism at a time — and return (tp, pp, ep)."""
+"""`--parallel auto`: plan for this machine (a probed profile) among the grids dsinfer can run —
+one replica of TP × PP (× EP) — and return (tp, pp, ep)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,25 @@ logger = logging.getLogger(__name__)
 
 
 def runnable_plans(shape, devices: int) -> list[Plan]:  # noqa: ANN001
-    plans = [Plan(1, 1, 1)]
-    for n in range(2, devices + 1):
-        if shape.num_experts and shape.num_experts % n == 0:
-            plans.append(Plan(1, 1, 1, n))  # expert parallel (MoE models)
-        elif not shape.num_experts and shape.num_heads % n == 0 and shape.num_kv_heads % n == 0:
-            plans.append(Plan(n, 1, 1))
-        if not shape.num_experts and n <= shape.num_layers:
-            plans.append(Plan(1, n, 1))
+    """Every grid dsinfer executes on up to `devices` ranks: pp stages of `width` ranks, with
+    tensor parallel, expert parallel (MoE) or both spanning a stage; one replica."""
+    plans = []
+    for world in range(1, devices + 1):
+        for pp in (d for d in range(1, world + 1) if world % d == 0 and d <= shape.num_layers):
+            width = world // pp
+            if width == 1:
+                plans.append(Plan(1, pp, 1))
+                continue
+            heads_split = shape.num_heads % width == 0 and (
+                shape.latent_kv or shape.num_kv_heads % width == 0
+            )
+            experts_split = shape.num_experts and shape.num_experts % width == 0
+            if heads_split:
+                plans.append(Plan(width, pp, 1))
+            if experts_split:
+                plans.append(Plan(1, pp, 1, width))
+            if heads_split and experts_split:
+                plans.append(Plan(width, pp, 1, width))
     return plans
 
 

@@ -11,6 +11,7 @@ so a prediction can be checked against a measurement (docs/parallel.md).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dsinfer.planner.model_shape import WEIGHT_BYTES, ModelShape
@@ -31,7 +32,9 @@ class Plan:
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        # An EP group wider than TP × DP (dsinfer's ep=K with tp=1) replicates attention over
+        # its ranks: they are devices too.
+        return self.pp * max(self.tp * self.dp, self.ep)
 
     def __str__(self) -> str:
         return f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",ep={self.ep}" if self.ep > 1 else "")
@@ -68,6 +71,17 @@ def _all_to_all(bytes_: float, n: int, link: Link, eff: float) -> float:
     return (n - 1) / n * bytes_ / (link.bandwidth * eff) + (n - 1) * link.latency
 
 
+def _busiest_share(experts: int, touched: float, ep: int) -> float:
+    """Expected experts touched on the busiest of `ep` ranks holding experts/ep each: a
+    binomial share per rank, its maximum over the ranks approximated as mean + c·σ (c is the
+    expected maximum of `ep` standard normals)."""
+    per = experts / ep
+    p = touched / experts
+    mean, sd = per * p, math.sqrt(per * p * (1 - p))
+    c = {1: 0.0, 2: 0.564, 4: 1.029, 8: 1.424}.get(ep, math.sqrt(2 * math.log(ep)))
+    return min(per, mean + c * sd)
+
+
 def _link(group: int, profile: DeviceProfile, inner: int = 1) -> Link:
     """The link a group of `group` ranks laid out with stride `inner` uses."""
     return profile.intra_node if group * inner <= profile.devices_per_node else profile.inter_node
@@ -100,12 +114,16 @@ def estimate(shape: ModelShape, plan: Plan, profile: DeviceProfile, work: Worklo
     layers_per_stage = shape.num_layers / plan.pp
     e, k = shape.num_experts, shape.experts_per_token
     touched = e * (1 - (1 - k / e) ** seqs) if e else 0  # experts one step selects, per layer
-    expert_read = touched * shape.moe_layers * shape.expert_params_per_layer_expert * wb
-    read = (shape.dense_params - shape.embedding_params) * wb / shards
-    read += expert_read / (expert_split * plan.pp) + kv
-    # dsinfer's tensor parallel keeps the LM head whole on rank 0 (the vocabulary is not split
-    # yet), so the driver reads all of it.
-    read += shape.head_params * wb * (1 - 1 / shards)
+    # Experts one device runs per MoE layer: whole ones of its EP share — the busiest rank's,
+    # which the step waits for — or, sliced by TP, a slice of every touched expert.
+    runs = _busiest_share(e, touched, plan.ep) if plan.ep > 1 else touched
+    expert_read = runs * shape.moe_layers * shape.expert_params_per_layer_expert * wb
+    expert_read *= plan.ep / expert_split  # TP slices: a 1/tp part of each
+    read = shape.body_params * wb / shards
+    read += expert_read / plan.pp + kv
+    # The LM head: split over TP (vocabulary parallel), on the first stage only — read once
+    # per step, spread here over the stages whose times add up to TPOT.
+    read += shape.head_params * wb / shards
     active = shape.active_params()
     compute = 2 * active * seqs / shards / flops
     compute += 4 * shape.num_layers * shape.hidden * work.context * seqs / shards / flops  # attn
@@ -116,9 +134,22 @@ def estimate(shape: ModelShape, plan: Plan, profile: DeviceProfile, work: Worklo
     )
     ep_link = _link(plan.ep, profile)
     moe_per_stage = shape.moe_layers / plan.pp
-    ep_bytes = 2 * seqs * k * shape.hidden * 2 / max(1, plan.ep)
-    ep_comm = moe_per_stage * 2 * _all_to_all(ep_bytes * plan.ep, plan.ep, ep_link, link_eff)
-    stage = max(compute, memory) + tp_comm + ep_comm  # one device = one stage's shard
+    if plan.dp > 1:
+        # DP attention: replicas hold different tokens, which travel to their experts' ranks
+        # and back (an all-to-all dispatch and combine per MoE layer).
+        ep_bytes = 2 * seqs * k * shape.hidden * 2 / max(1, plan.ep)
+        ep_comm = moe_per_stage * 2 * _all_to_all(ep_bytes * plan.ep, plan.ep, ep_link, link_eff)
+    elif plan.ep > plan.tp:
+        # One replica, attention replicated over the EP ranks: every rank has every token, and
+        # one all-reduce per MoE layer sums the experts' partial outputs.
+        ep_comm = moe_per_stage * _all_reduce(seqs * shape.hidden * 2, plan.ep, ep_link, link_eff)
+    else:
+        ep_comm = 0.0  # EP spans the TP ranks: the MLP's TP all-reduce sums the experts too
+    # Fixed host costs, serial with the kernels on CPU (0 in accelerator profiles): per layer
+    # (TP slices a layer's work, not its dispatch) and per routed expert run.
+    dispatch = layers_per_stage * profile.layer_overhead
+    dispatch += moe_per_stage * runs * profile.expert_overhead
+    stage = max(compute, memory) + dispatch + tp_comm + ep_comm  # one device = one stage
     pp_link = _link(plan.pp, profile, plan.tp)
     hop = seqs * shape.hidden * 2 / (pp_link.bandwidth * link_eff) + pp_link.latency
     tpot = plan.pp * stage + (plan.pp - 1) * hop
@@ -148,5 +179,6 @@ def estimate(shape: ModelShape, plan: Plan, profile: DeviceProfile, work: Worklo
             "memory_ms": memory * 1e3,
             "tp_comm_ms": tp_comm * 1e3,
             "ep_comm_ms": ep_comm * 1e3,
+            "dispatch_ms": dispatch * 1e3,
         },
     )

@@ -34,6 +34,7 @@ class ModelShape:
     moe_layers: int
     embedding_params: int  # looked up, not multiplied
     head_params: int  # the LM head's matrix (the embedding's when tied)
+    body_params: int  # decoder layers and final norm, routed experts excepted
     kv_bytes_per_token: int  # at 2 bytes per element, all layers
     latent_kv: bool  # MLA: one latent per token, replicated across tensor-parallel ranks
 
@@ -53,6 +54,7 @@ def model_shape(cfg: ModelConfig, name: str = "model") -> ModelShape:
     net = build_model(cfg, torch.bfloat16, "meta")
     dense = expert = embed = 0
     head = net.lm_head.weight.numel()
+    tied = net.lm_head.weight is net.model.embed_tokens.weight
     moe_layers = 0
     for pname, p in net.named_parameters():
         if ".experts.w" in pname:
@@ -77,6 +79,7 @@ def model_shape(cfg: ModelConfig, name: str = "model") -> ModelShape:
         moe_layers=moe_layers,
         embedding_params=embed,
         head_params=head,
+        body_params=dense - embed - (0 if tied else head),
         kv_bytes_per_token=cfg.kv_bytes_per_token(torch.bfloat16),
         latent_kv="kv_lora_rank" in m,
     )

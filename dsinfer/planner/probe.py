@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from dsinfer.planner.dispatch_probe import expert_overhead, layer_overhead
+
 
 def _best(fn: Callable[[], object], repeats: int = 5) -> float:
     fn()
@@ -93,6 +95,7 @@ def probe(name: str = "this-cpu") -> dict[str, Any]:
             "bfloat16": gemm_flops(torch.bfloat16),
             "int8": int8_weight_rate(),
         }
+        per_layer, per_expert = layer_overhead(), expert_overhead()
     finally:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
@@ -105,6 +108,8 @@ def probe(name: str = "this-cpu") -> dict[str, Any]:
         "memory_bytes": ram,
         "memory_bandwidth": bandwidth,
         "device_bandwidth": device_bandwidth,
+        "layer_overhead": per_layer,
+        "expert_overhead": per_expert,
         "flops": flops,
         "intra_node": link,
         "inter_node": {"bandwidth": 1.25e9, "latency": 50e-6, "link": "10 GbE (assumed)"},

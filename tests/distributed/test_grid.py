@@ -154,3 +154,22 @@ def test_two_nodes_over_the_rendezvous_flags_match_one_process(tmp_path, capsys)
         assert node1.wait(timeout=60) == 0  # node 1's ranks left cleanly on shutdown
     finally:
         node1.kill()
+
+
+def test_llama_pp3_middle_stage_equals_single_process(tmp_path):
+    """Three stages: the middle one receives, runs its layer and passes on (no reply)."""
+    torch.manual_seed(25)
+    src = tiny_llama_dir(tmp_path / "tiny", num_layers=3)
+    config = EngineConfig(
+        model=str(src),
+        dtype="float32",
+        cache=CacheConfig(block_size=4, num_blocks=32),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+    )
+    ref = _generate(LLMEngine(config), n=8)
+    engine = LLMEngine(dataclasses.replace(config, pipeline_parallel=3))
+    try:
+        assert _generate(engine, n=8) == ref
+        assert engine.executor.runner.model.lm_head is not None  # the head lives on stage 0
+    finally:
+        engine.shutdown()
