@@ -13,6 +13,7 @@ from dsinfer.artifact.manifest import Manifest, config_from_dict
 from dsinfer.artifact.verify import TrustPolicy, verify_artifact
 from dsinfer.artifact.weights_io import mmap_weights
 from dsinfer.config import parse_dtype
+from dsinfer.distributed.parallel_state import get_tp
 from dsinfer.layers.quant import prepare_quantized
 from dsinfer.models.loader import LoadedModel, build_model
 
@@ -35,7 +36,10 @@ def load_artifact(root: str | Path, policy: TrustPolicy, device: str = "cpu") ->
     net = build_model(cfg, dtype, device)
     prepare_quantized(net, quant["scheme"], quant.get("group_size", 0), quant["layer_formats"])
     tensors = _read_tensors(root, manifest, device)
-    missing, unexpected = net.load_state_dict(tensors, strict=False, assign=True)
+    if get_tp().world > 1:
+        missing, unexpected = assign_rank_parts(net, tensors)
+    else:
+        missing, unexpected = net.load_state_dict(tensors, strict=False, assign=True)
     if missing or unexpected:
         raise ArtifactError(
             f"{root}: weights do not match the {cfg.architecture} graph "
@@ -52,6 +56,44 @@ def load_artifact(root: str | Path, policy: TrustPolicy, device: str = "cpu") ->
         time.perf_counter() - t0,
     )
     return LoadedModel(net, cfg, root, dtype, root / TOKENIZER_DIR, manifest.short_version)
+
+
+def assign_rank_parts(
+    net: torch.nn.Module, tensors: dict[str, torch.Tensor]
+) -> tuple[list[str], list[str]]:
+    """Under --parallel: give every parameter this rank's part of the artifact's whole tensor
+    (each module knows its cut: `local_part`); only that part is copied out of the mmap.
+    Tensors another pipeline stage holds are skipped. → (missing, unexpected) names."""
+    from dsinfer.models.llama import skip_other_stage
+
+    num_layers = net.config.num_layers
+    used: set[str] = set()
+    missing: list[str] = []
+    for prefix, module in net.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            name = f"{prefix}.{pname}" if prefix else pname
+            full = tensors.get(name)
+            if full is None:
+                missing.append(name)
+                continue
+            used.add(name)
+            cut = getattr(module, "local_part", None)
+            part = cut(pname, full) if cut is not None else full
+            if part.shape != param.shape:
+                raise ArtifactError(
+                    f"{name}: this rank's part {tuple(part.shape)} does not match the graph's "
+                    f"{tuple(param.shape)}"
+                )
+            param.data = part.contiguous().clone()
+    unexpected = [
+        n
+        for n in tensors
+        if n not in used
+        and not n.startswith("__pad_")
+        and not n.startswith("mtp.")  # speculative decoding is off under --parallel
+        and not skip_other_stage(n, num_layers)
+    ]
+    return missing, unexpected
 
 
 def _read_tensors(root: Path, manifest: Manifest, device: str) -> dict[str, torch.Tensor]:

@@ -7,7 +7,6 @@ import logging
 from dsinfer.artifact.errors import ArtifactError
 from dsinfer.artifact.reader import load_artifact
 from dsinfer.artifact.verify import TrustPolicy, is_artifact
-from dsinfer.distributed.parallel_state import get_tp
 from dsinfer.models.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -24,12 +23,6 @@ def load_model_source(
     random_quant: str = "none",
 ) -> LoadedModel:
     if is_artifact(model):
-        if get_tp().world > 1:
-            raise ArtifactError(
-                f"{model} is a compiled artifact: its tensors are stored whole and fused, and "
-                "splitting them over --parallel ranks is not built yet; serve the source "
-                "checkpoint with --parallel, or the artifact in one process"
-            )
         if random_weights:
             raise ArtifactError(f"{model} is a compiled artifact; --random-weights needs a config")
         if dtype != "auto":

@@ -43,6 +43,10 @@ class VocabEmbedding(nn.Module):
             )
         param.data.copy_(loaded.narrow(0, self.start, rows))
 
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the whole stored table."""
+        return full.narrow(0, self.start, self.weight.shape[0]) if self.split else full
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.split:
             return F.embedding(ids, self.weight)

@@ -108,6 +108,33 @@ class Linear(nn.Module):
         self.method = method
         method.create_weights(self, self.out_features, self.in_features)
 
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole stored tensor of this layer (a compiled artifact holds
+        fused, possibly quantised tensors: weight/qweight [out, in(/2)], bias/scales [out],
+        scales_zeros [in/G, out, 2])."""
+        if self.parallel is None:
+            return full
+        out_dim = 1 if name == "scales_zeros" else 0
+        if self.parallel == "column":
+            # Each fused shard's rows are cut separately: [q | k | v] → [q_r | k_r | v_r].
+            spans = list(self.shards.values()) or [(0, self.out_features)]
+            parts = [
+                full.narrow(out_dim, off * self.tp_size + self.tp_rank * rows, rows)
+                for off, rows in spans
+            ]
+            return torch.cat(parts, dim=out_dim)
+        if name in ("bias", "scales"):  # per output row: whole on every rank
+            return full
+        in_dim = 0 if name == "scales_zeros" else 1
+        if full.shape[in_dim] % self.tp_size:
+            raise ValueError(
+                f"{name} {tuple(full.shape)} does not split over {self.tp_size} "
+                "tensor-parallel ranks (int4 groups cannot be cut): serve an int8 or float "
+                "artifact with this --parallel, or compile int4 with a smaller --group-size"
+            )
+        width = full.shape[in_dim] // self.tp_size  # columns (int4: bytes or groups) per rank
+        return full.narrow(in_dim, self.tp_rank * width, width)
+
     def _local(self, param: torch.Tensor, loaded: torch.Tensor, rows: int) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor (column: rows; row: weight columns)."""
         if self.parallel == "column":

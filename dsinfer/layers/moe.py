@@ -116,6 +116,18 @@ class RoutedExperts(nn.Module):
             )
         dst.copy_(loaded)
 
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole stored stack: its experts, and with TP slicing its rows
+        of gate and of up (w13/q13/s13) or its columns of down (w2/q2)."""
+        full = full.narrow(0, self.first, len(self.owned))
+        i, lo = self.intermediate, self.slice_start
+        whole = full.shape[1] // 2 if name[1:] == "13" else None
+        if i == (whole if whole is not None else full.shape[-1]) or name == "s2":
+            return full  # not sliced (s2 is per output row of down: whole)
+        if whole is not None:  # [E, 2I(, H)] → [E, gate rows | up rows]
+            return torch.cat([full.narrow(1, lo, i), full.narrow(1, whole + lo, i)], dim=1)
+        return full.narrow(2, lo, i)  # w2/q2 [E, H, I]
+
     # -- int8 (artifacts, random-weight benchmarks): q13/s13, q2/s2 replace w13, w2 -------------
     def use_int8_layout(self) -> None:
         """Replace w13/w2 by int8 weights [E, out, in] with per-row scales [E, out]."""

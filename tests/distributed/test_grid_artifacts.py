@@ -1,0 +1,82 @@
+"""Compiled artifacts under --parallel: each rank cuts its part out of the artifact's whole,
+fused (and quantised) tensors; greedy tokens equal the same artifact in one process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsinfer.artifact.compiler import CompileOptions, compile_artifact
+from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig
+from dsinfer.engine.llm_engine import LLMEngine
+from tests.distributed.test_parallel import _generate
+from tests.helpers import tiny_llama_dir
+
+
+def _config(art) -> EngineConfig:  # noqa: ANN001
+    return EngineConfig(
+        model=str(art),
+        allow_unsigned=True,
+        cache=CacheConfig(block_size=4, num_blocks=32),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+    )
+
+
+def _same_as_single(config: EngineConfig, **grid: int) -> LLMEngine:
+    ref = _generate(LLMEngine(config), n=10)
+    engine = LLMEngine(dataclasses.replace(config, **grid))
+    try:
+        assert _generate(engine, n=10) == ref
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
+@pytest.mark.parametrize(("quant", "tp"), [("none", 2), ("int8", 2), ("int4", 1)])
+def test_llama_artifact_under_a_grid_equals_single_process(tmp_path, quant, tp):
+    torch.manual_seed(31)
+    src = tiny_llama_dir(tmp_path / "src", num_layers=3, tied=True)
+    compile_artifact(str(src), tmp_path / "art", CompileOptions(quant=quant))
+    engine = _same_as_single(_config(tmp_path / "art"), tensor_parallel=tp, pipeline_parallel=2)
+    try:
+        qkv = engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+        weight = qkv.weight if quant == "none" else qkv.qweight
+        assert weight.shape[0] == (4 + 2 + 2) * 8 // tp  # 1/tp of each of q, k and v
+    finally:
+        engine.shutdown()
+
+
+def test_deepseek_v3_int8_artifact_under_tp2_equals_single_process(tmp_path):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from tests.models.test_deepseek_parity import CASES, COMMON
+    from tests.models.test_tiny_parity import _tokenizer_files
+
+    torch.manual_seed(32)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, **CASES["v3"][1]))
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "src")
+    _tokenizer_files(tmp_path / "src")
+    compile_artifact(str(tmp_path / "src"), tmp_path / "art", CompileOptions(quant="int8"))
+    engine = _same_as_single(_config(tmp_path / "art"), tensor_parallel=2)
+    try:
+        experts = engine.executor.runner.model.model.layers[1].mlp.experts
+        assert experts.q13.shape[:2] == (8, 24)  # every expert, half its intermediate rows
+    finally:
+        engine.shutdown()
+
+
+def test_int4_artifact_whose_groups_do_not_split_is_refused(tmp_path):
+    torch.manual_seed(33)
+    src = tiny_llama_dir(tmp_path / "src")
+    compile_artifact(str(src), tmp_path / "art", CompileOptions(quant="int4"))
+    with pytest.raises(Exception, match="int4 groups cannot be cut"):
+        LLMEngine(dataclasses.replace(_config(tmp_path / "art"), tensor_parallel=2))
+    from dsinfer.distributed.parallel_state import destroy_parallel
+
+    destroy_parallel()
