@@ -114,7 +114,15 @@ def main() -> int:
     from dsinfer.planner.probe import probe
     from dsinfer.planner.profiles import profile_from_dict
 
-    profile = profile_from_dict(probe())
+    probed = probe()
+    profile = profile_from_dict(probed)
+    print(
+        f"probed: node {probed['memory_bandwidth'] / 1e9:.1f} GB/s, one thread "
+        f"{probed['device_bandwidth'] / 1e9:.1f} GB/s, bf16 "
+        f"{probed['flops']['bfloat16'] / 1e12:.2f} TFLOP/s, gloo "
+        f"{probed['intra_node']['latency'] * 1e6:.0f} µs, layer "
+        f"{probed['layer_overhead'] * 1e3:.2f} ms, expert {probed['expert_overhead'] * 1e6:.0f} µs"
+    )
     tmp = Path(tempfile.mkdtemp(prefix="honesty-"))
     table = models(tmp)
     wanted = args.models.split(",") if args.models else list(table)

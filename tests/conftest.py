@@ -47,3 +47,41 @@ def hf_smol(smol_path: Path):
     )
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def mtp_dir(tmp_path_factory):
+    """transformers writes the 3-layer model; its MTP layer (index 3) is added beside it: the
+    decoder weights of a 4-layer twin's last layer plus enorm, hnorm, eh_proj, shared_head."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from tests.models.test_deepseek_mtp import V3
+    from tests.models.test_tiny_parity import _tokenizer_files
+
+    path = tmp_path_factory.mktemp("v3-mtp")
+    torch.manual_seed(3)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**V3, num_nextn_predict_layers=1))
+    model.save_pretrained(path)
+    _tokenizer_files(path)
+    torch.manual_seed(5)
+    twin = DeepseekV3ForCausalLM(DeepseekV3Config(**{**V3, "num_hidden_layers": 4}))
+    twin_dir = tmp_path_factory.mktemp("twin")
+    twin.save_pretrained(twin_dir)  # per-expert checkpoint names, as DeepSeek ships them
+    g = torch.Generator().manual_seed(6)
+    h = V3["hidden_size"]
+    saved = load_file(str(twin_dir / "model.safetensors"))
+    mtp = {k: v for k, v in saved.items() if k.startswith("model.layers.3.")}
+    mtp["model.layers.3.enorm.weight"] = torch.ones(h)
+    mtp["model.layers.3.hnorm.weight"] = torch.ones(h)
+    mtp["model.layers.3.eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.05
+    mtp["model.layers.3.shared_head.norm.weight"] = torch.ones(h)
+    # DeepSeek's checkpoints repeat the shared embedding and head under the MTP prefix.
+    mtp["model.layers.3.embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
+    mtp["model.layers.3.shared_head.head.weight"] = model.lm_head.weight.detach().clone()
+    save_file(mtp, str(path / "model-mtp.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.get("num_nextn_predict_layers") == 1
+    return path, model.eval(), twin.eval(), mtp

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_healthy
 
 DSINFER = [sys.executable, "-m", "dsinfer.cli"]
 
@@ -72,16 +72,7 @@ def test_serve_auth_and_graceful_sigterm():
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.3)
+        wait_healthy(url, [proc])
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert (
             httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 401

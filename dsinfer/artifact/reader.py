@@ -90,7 +90,7 @@ def assign_rank_parts(
         for n in tensors
         if n not in used
         and not n.startswith("__pad_")
-        and not n.startswith("mtp.")  # speculative decoding is off under --parallel
+        and not n.startswith("mtp.")  # the MTP layer lives on the first stage only
         and not skip_other_stage(n, num_layers)
     ]
     return missing, unexpected

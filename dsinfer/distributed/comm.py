@@ -45,3 +45,14 @@ def broadcast_object(obj: Any = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def share_with_stage(obj: Any = None) -> Any:
+    """The first stage's local rank 0 object on every rank of that stage (the driver's sampled
+    tokens, for the split MTP layer); the object itself when the stage is one rank."""
+    state = get_tp()
+    if state.width == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=state.global_rank(state.pp_rank, 0), group=stage_group())
+    return box[0]

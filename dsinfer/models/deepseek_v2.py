@@ -161,8 +161,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self.model = DeepseekModel(cfg)
         self.lm_head = stage_lm_head(cfg, self.model.embed_tokens)
         self._mtp_prefix = f"model.layers.{cfg.num_layers}."
-        # The multi-token-prediction layer, when the checkpoint carries it and it is enabled.
-        self.mtp = build_mtp_layer(cfg, DeepseekDecoderLayer) if cfg.num_mtp_layers else None
+        # The multi-token-prediction layer, when the checkpoint carries it and it is enabled: on
+        # the first pipeline stage, beside the embedding and the head it shares.
+        wanted = cfg.num_mtp_layers and get_tp().is_first_stage
+        self.mtp = build_mtp_layer(cfg, DeepseekDecoderLayer) if wanted else None
 
     @classmethod
     def configure_for_checkpoint(cls, cfg: ModelConfig, names: set[str] | None) -> ModelConfig:
@@ -171,10 +173,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         prefix = f"model.layers.{cfg.num_layers}."
         wanted = cfg.extra.get("num_nextn_predict_layers", 0) > 0
         has = names is None or any(n.startswith(prefix) for n in names)
-        # Speculative decoding runs in one process only: parallel ranks neither build nor
-        # cache the MTP layer.
-        alone = get_tp().world == 1
-        return cfg.with_mtp(1 if wanted and has and alone else 0)
+        return cfg.with_mtp(1 if wanted and has else 0)
 
     def mtp_hidden(
         self,

@@ -96,6 +96,9 @@ def estimate(shape: ModelShape, plan: Plan, profile: DeviceProfile, work: Worklo
         bw /= plan.devices
         if profile.device_bandwidth:  # … and one alone cannot use all of it
             bw = min(bw, profile.device_bandwidth * profile.eff("memory"))
+        if profile.concurrent_bandwidth and plan.devices > 1:  # … nor two busy at once
+            pair = 2 * profile.concurrent_bandwidth * profile.eff("memory")
+            bw = min(bw, pair / plan.devices)
         capacity /= plan.devices
     link_eff = profile.eff("link")
     shards = plan.tp * plan.pp

@@ -49,6 +49,11 @@ def _link_rank(rank: int, port: int, result: Any) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # Both processes stream memory at once: what one device gets when its neighbour is busy
+    # too (each --parallel rank reads its own weights at the same time).
+    dist.barrier()
+    concurrent = torch.tensor([memory_bandwidth()])
+    dist.all_reduce(concurrent, op=dist.ReduceOp.MIN)
     small, big = torch.ones(1536), torch.ones(4 * 1024**2)  # one token's hidden; 16 MiB
     for _ in range(20):
         dist.all_reduce(small)
@@ -61,12 +66,13 @@ def _link_rank(rank: int, port: int, result: Any) -> None:
         dist.all_reduce(big)
     bandwidth = big.numel() * 4 / ((time.perf_counter() - t) / 5)  # 2(n-1)/n = 1 for n = 2
     if rank == 0:
-        result.put((latency, bandwidth))
+        result.put((latency, bandwidth, float(concurrent)))
     dist.destroy_process_group()
 
 
-def link_between_processes() -> tuple[float, float]:
-    """(latency per message, bytes/s) of gloo between two single-threaded local processes."""
+def link_between_processes() -> tuple[float, float, float]:
+    """(latency per message, bytes/s) of gloo between two single-threaded local processes, and
+    the memory bandwidth each of them reaches while both stream at once."""
     import multiprocessing as mp
 
     from dsinfer.distributed.parallel_state import free_local_port
@@ -77,10 +83,10 @@ def link_between_processes() -> tuple[float, float]:
     procs = [ctx.Process(target=_link_rank, args=(r, port, result)) for r in (0, 1)]
     for p in procs:
         p.start()
-    latency, bandwidth = result.get(timeout=120)
+    measured = result.get(timeout=120)
     for p in procs:
         p.join(timeout=30)
-    return latency, bandwidth
+    return measured
 
 
 def probe(name: str = "this-cpu") -> dict[str, Any]:
@@ -100,7 +106,7 @@ def probe(name: str = "this-cpu") -> dict[str, Any]:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    latency, link_bw = link_between_processes()
+    latency, link_bw, concurrent = link_between_processes()
     link = {"bandwidth": link_bw, "latency": latency, "link": "gloo over loopback (measured)"}
     return {
         "name": name,
@@ -108,6 +114,7 @@ def probe(name: str = "this-cpu") -> dict[str, Any]:
         "memory_bytes": ram,
         "memory_bandwidth": bandwidth,
         "device_bandwidth": device_bandwidth,
+        "concurrent_bandwidth": concurrent,
         "layer_overhead": per_layer,
         "expert_overhead": per_expert,
         "flops": flops,

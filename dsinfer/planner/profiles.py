@@ -32,6 +32,8 @@ class DeviceProfile:
     efficiency: dict[str, float] = field(default_factory=dict)  # achievable share of peaks
     shared_host: bool = False  # all "devices" share one memory system (CPU processes)
     device_bandwidth: float | None = None  # what one device alone reaches (one CPU thread)
+    # What each of two devices reaches while both stream at once (shared hosts, probed).
+    concurrent_bandwidth: float | None = None
     # Host time per step that does not scale with the weights (dispatch, bookkeeping): per
     # decoder layer and per routed expert run. Probed on CPU; 0 where graphs hide it.
     layer_overhead: float = 0.0
@@ -65,6 +67,7 @@ def profile_from_dict(data: dict[str, Any]) -> DeviceProfile:
         efficiency={k: float(v) for k, v in data.get("efficiency", {}).items()},
         shared_host=bool(data.get("shared_host", False)),
         device_bandwidth=data.get("device_bandwidth"),
+        concurrent_bandwidth=data.get("concurrent_bandwidth"),
         layer_overhead=float(data.get("layer_overhead", 0.0)),
         expert_overhead=float(data.get("expert_overhead", 0.0)),
         sources=tuple(data.get("sources", ())),

@@ -60,9 +60,10 @@ def allocate_kv_cache(
                 torch.zeros(shape, dtype=dtype, device=device),
             )
 
-    # Layers past num_layers (the MTP layer) run on one process only.
+    # Layers past num_layers (the MTP layer) live on the first stage, beside the head.
+    extra = state.is_first_stage
     caches = [
-        layer_cache() if i in owned or i >= full.num_layers else (none,) * 2
+        layer_cache() if i in owned or (i >= full.num_layers and extra) else (none,) * 2
         for i in range(full.num_cache_layers)
     ]
     logger.info(

@@ -11,11 +11,12 @@ import logging
 import torch
 
 from dsinfer.config import CacheConfig
+from dsinfer.distributed.comm import share_with_stage
 from dsinfer.models.loader import LoadedModel
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.kv_cache import allocate_kv_cache
 from dsinfer.worker.sampler import Sampler, SamplerState, prompt_logprob_entries
-from dsinfer.worker.spec_decode import MTPDrafter, sample_rows, verify_greedy
+from dsinfer.worker.spec_decode import MTPDrafter, draft_rows, sample_rows, verify_greedy
 from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class ModelRunner:
         inp = build_model_input(out.seqs, self.block_size, self.device)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, hidden]
         if not self.driver:
-            self._mirror_logits(inp, hidden)
+            self._mirror(inp, hidden)
             return result
 
         sample_idx, rows = self._sample_rows(inp)
@@ -88,10 +89,14 @@ class ModelRunner:
             for rid, extra in result.bonus.items():
                 self.states[rid].output_token_ids.extend(extra)
         if self.drafter is not None:
-            wants = {s.req_id for s in inp.seqs if self.states[s.req_id].params.allows_speculation}
-            self.drafter.propose(inp, hidden, result, wants)
+            # The MTP layer is split like the model: the stage's other ranks need the tokens.
+            share_with_stage((result.sampled, result.bonus))
+            self.drafter.propose(inp, hidden, result, self._wants_draft(inp))
         self._prompt_logprobs(inp, hidden, result)
         return result
+
+    def _wants_draft(self, inp) -> set[str]:  # noqa: ANN001
+        return {s.req_id for s in inp.seqs if self.states[s.req_id].params.allows_speculation}
 
     def _sample_rows(self, inp) -> tuple[list[int], torch.Tensor | None]:  # noqa: ANN001
         """Which sequences sample this step, and the hidden-state row of each."""
@@ -114,18 +119,28 @@ class ModelRunner:
                 spans.append((i, inp.last_rows[i] - len(s.token_ids) + 1, n))
         return spans
 
-    def _mirror_logits(self, inp, hidden: torch.Tensor) -> None:  # noqa: ANN001
-        """A split vocabulary makes the LM head a collective: the other TP ranks of the first
-        stage compute the same logits as the driver, in the same order, and drop them.
-        (No drafts reach here: speculative decoding is off under parallel execution.)"""
+    def _mirror(self, inp, hidden: torch.Tensor) -> None:  # noqa: ANN001
+        """The other ranks of the first stage take part in what the driver does after the
+        forward pass, in the same order: a split vocabulary makes every logits call a
+        collective, and the MTP layer is split like the model. Results are dropped."""
         head = getattr(self.model, "lm_head", None)
-        if head is None or head.parallel != "column":
-            return
-        _, rows = self._sample_rows(inp)
-        if rows is not None:
+        if head is None:
+            return  # a later pipeline stage: its part ended with the send
+        split_head = head.parallel == "column"
+        sample_idx, rows = self._sample_rows(inp)
+        if split_head and rows is not None:
             self.model.compute_logits(hidden[rows])
-        for _, first, n in self._prompt_rows(inp):
-            self.model.compute_logits(hidden[first : first + n])
+        sampled = {inp.seqs[i].req_id for i in sample_idx}
+        _, check = draft_rows(inp, sampled)
+        if split_head and check:
+            self.model.compute_logits(hidden[torch.tensor(check)])
+        if self.drafter is not None:
+            result = ModelRunnerOutput()
+            result.sampled, result.bonus = share_with_stage(None)
+            self.drafter.propose(inp, hidden, result, self._wants_draft(inp))
+        if split_head:
+            for _, first, n in self._prompt_rows(inp):
+                self.model.compute_logits(hidden[first : first + n])
 
     def _prompt_logprobs(self, inp, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:  # noqa: ANN001
         """Logprob of each prompt token given its prefix, for rows inside this chunk."""

@@ -82,7 +82,7 @@ def _join(rank: int, config: Any, port: int, device: torch.device) -> torch.devi
 def _worker(rank: int, port: int, config: Any, load: Callable, device: str) -> None:
     dev = _join(rank, config, port, torch.device(device))
     loaded = load(config)
-    runner = ModelRunner(loaded, config.cache, dev, config.seed, speculative=False, driver=False)
+    runner = ModelRunner(loaded, config.cache, dev, config.seed, config.mtp, driver=False)
     while True:
         out = broadcast_object(None)
         if out is None:
@@ -137,9 +137,7 @@ class MultiprocExecutor:
         try:
             dev = _join(0, config, port, device)
             self.loaded = load(config)
-            self.runner = ModelRunner(
-                self.loaded, config.cache, dev, config.seed, speculative=False
-            )
+            self.runner = ModelRunner(self.loaded, config.cache, dev, config.seed, config.mtp)
         except BaseException:
             for p in self.procs:
                 p.kill()

@@ -25,14 +25,20 @@ def sample_rows(inp: ModelInput) -> list[int]:
     return [last - s.num_draft for s, last in zip(inp.seqs, inp.last_rows, strict=True)]
 
 
+def draft_rows(inp: ModelInput, sampled: set[str] | dict) -> tuple[list, list[int]]:
+    """(index, seq) of the sampled sequences that carry drafts, and the rows that check them."""
+    spec = [(i, s) for i, s in enumerate(inp.seqs) if s.num_draft and s.req_id in sampled]
+    rows = [inp.last_rows[i] - s.num_draft + 1 + j for i, s in spec for j in range(s.num_draft)]
+    return spec, rows
+
+
 def verify_greedy(
     model: torch.nn.Module, hidden: torch.Tensor, inp: ModelInput, result: ModelRunnerOutput
 ) -> None:
     """Extend result.sampled with result.bonus: tokens that accepted drafts make certain."""
-    spec = [(i, s) for i, s in enumerate(inp.seqs) if s.num_draft and s.req_id in result.sampled]
+    spec, rows = draft_rows(inp, result.sampled)
     if not spec:
         return
-    rows = [inp.last_rows[i] - s.num_draft + 1 + j for i, s in spec for j in range(s.num_draft)]
     argmax = model.compute_logits(hidden[torch.tensor(rows)]).argmax(dim=-1).tolist()
     k = 0
     for _i, s in spec:

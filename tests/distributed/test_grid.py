@@ -16,7 +16,7 @@ import torch
 from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig
 from dsinfer.distributed.parallel_state import ParallelState, check_grid
 from dsinfer.engine.llm_engine import LLMEngine
-from tests.distributed.test_parallel import _generate
+from tests.distributed.test_parallel import _generate, generate_argv
 from tests.helpers import tiny_llama_dir
 
 
@@ -83,15 +83,18 @@ def test_deepseek_v3_parallel_greedy_equals_single_process(v3_reference, tp, pp,
         engine.shutdown()
 
 
-def test_llama_tp2_pp2_with_tied_split_vocabulary_equals_single_process(tmp_path):
-    torch.manual_seed(23)
-    src = tiny_llama_dir(tmp_path / "tiny", num_layers=3, tied=True)
-    config = EngineConfig(
+def _tiny_config(src, num_blocks: int) -> EngineConfig:  # noqa: ANN001
+    return EngineConfig(
         model=str(src),
         dtype="float32",
-        cache=CacheConfig(block_size=4, num_blocks=14),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=4),
     )
+
+
+def test_llama_tp2_pp2_with_tied_split_vocabulary_equals_single_process(tmp_path):
+    torch.manual_seed(23)
+    config = _tiny_config(tiny_llama_dir(tmp_path / "tiny", num_layers=3, tied=True), 14)
     ref = _generate(LLMEngine(config), n=12)
     engine = LLMEngine(dataclasses.replace(config, tensor_parallel=2, pipeline_parallel=2))
     try:
@@ -136,9 +139,7 @@ def test_two_nodes_over_the_rendezvous_flags_match_one_process(tmp_path, capsys)
     from dsinfer.distributed.parallel_state import free_local_port
 
     torch.manual_seed(24)
-    src = str(tiny_llama_dir(tmp_path / "tiny"))
-    argv = ["generate", "--model", src, "--prompt", "w5 w9 w33", "--max-tokens", "8"]
-    argv += ["--dtype", "float32", "--num-kv-blocks", "32", "--block-size", "4"]
+    argv = generate_argv(str(tiny_llama_dir(tmp_path / "tiny")))
     assert main(argv) == 0
     single = capsys.readouterr().out
     port = str(free_local_port())
@@ -159,13 +160,7 @@ def test_two_nodes_over_the_rendezvous_flags_match_one_process(tmp_path, capsys)
 def test_llama_pp3_middle_stage_equals_single_process(tmp_path):
     """Three stages: the middle one receives, runs its layer and passes on (no reply)."""
     torch.manual_seed(25)
-    src = tiny_llama_dir(tmp_path / "tiny", num_layers=3)
-    config = EngineConfig(
-        model=str(src),
-        dtype="float32",
-        cache=CacheConfig(block_size=4, num_blocks=32),
-        scheduler=SchedulerConfig(max_num_seqs=4),
-    )
+    config = _tiny_config(tiny_llama_dir(tmp_path / "tiny", num_layers=3), 32)
     ref = _generate(LLMEngine(config), n=8)
     engine = LLMEngine(dataclasses.replace(config, pipeline_parallel=3))
     try:
@@ -173,3 +168,36 @@ def test_llama_pp3_middle_stage_equals_single_process(tmp_path):
         assert engine.executor.runner.model.lm_head is not None  # the head lives on stage 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(("tp", "pp", "ep"), [(2, 1, 1), (1, 2, 1), (2, 1, 2)])
+def test_mtp_speculation_under_a_grid_drafts_and_accepts_like_one_process(mtp_dir, tp, pp, ep):
+    """V3's MTP layer split like the model (first stage): same tokens, and the same drafts
+    accepted, as one process with MTP."""
+    from dsinfer import LLM
+    from tests.models.test_deepseek_mtp import GREEDY, PROMPTS
+
+    path = str(mtp_dir[0])
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    single = LLM(path, dtype="float32", num_blocks=96, block_size=4)
+    ref = single.generate(prompts, GREEDY)
+    grid = LLM(
+        path,
+        dtype="float32",
+        num_blocks=96,
+        block_size=4,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        expert_parallel=ep,
+    )
+    try:
+        assert grid.engine.executor.runner.drafter is not None
+        got = grid.generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        counts = [(o.metrics.num_draft_tokens, o.metrics.num_accepted_draft_tokens) for o in got]
+        assert counts == [
+            (o.metrics.num_draft_tokens, o.metrics.num_accepted_draft_tokens) for o in ref
+        ]
+        assert sum(d for d, _ in counts) > 40
+    finally:
+        grid.engine.shutdown()

@@ -60,13 +60,17 @@ def test_tp_refuses_shapes_that_do_not_split(tmp_path):
         LLM(str(src), num_blocks=8, block_size=4, tensor_parallel=3)
 
 
+def generate_argv(src: str) -> list[str]:
+    """`dsinfer generate` of 8 greedy tokens from a tiny checkpoint."""
+    argv = ["generate", "--model", src, "--prompt", "w5 w9 w33", "--max-tokens", "8"]
+    return [*argv, "--dtype", "float32", "--num-kv-blocks", "32", "--block-size", "4"]
+
+
 def test_cli_generate_with_tp2_matches_single(tmp_path, capsys):
     from dsinfer.cli import main
 
     torch.manual_seed(12)
-    src = str(tiny_llama_dir(tmp_path / "tiny"))
-    argv = ["generate", "--model", src, "--prompt", "w5 w9 w33", "--max-tokens", "8"]
-    argv += ["--dtype", "float32", "--num-kv-blocks", "32", "--block-size", "4"]
+    argv = generate_argv(str(tiny_llama_dir(tmp_path / "tiny")))
     assert main(argv) == 0
     single = capsys.readouterr().out
     assert main([*argv, "--parallel", "tp=2"]) == 0

@@ -3,53 +3,17 @@ itself; greedy output with MTP on equals output with it off; the acceptance rate
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.worker.step_io import ModelRunnerOutput
 from tests.helpers import assert_pool_clean
 from tests.models.test_deepseek_parity import CASES, COMMON
-from tests.models.test_tiny_parity import _tokenizer_files
 
 V3 = {**COMMON, **CASES["v3"][1]}
 PROMPTS = [[1, 5, 9, 33, 200], [1, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [1, 300, 3]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def mtp_dir(tmp_path_factory):
-    """transformers writes the 3-layer model; its MTP layer (index 3) is added beside it: the
-    decoder weights of a 4-layer twin's last layer plus enorm, hnorm, eh_proj, shared_head."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    path = tmp_path_factory.mktemp("v3-mtp")
-    torch.manual_seed(3)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**V3, num_nextn_predict_layers=1))
-    model.save_pretrained(path)
-    _tokenizer_files(path)
-    torch.manual_seed(5)
-    twin = DeepseekV3ForCausalLM(DeepseekV3Config(**{**V3, "num_hidden_layers": 4}))
-    twin_dir = tmp_path_factory.mktemp("twin")
-    twin.save_pretrained(twin_dir)  # per-expert checkpoint names, as DeepSeek ships them
-    g = torch.Generator().manual_seed(6)
-    h = V3["hidden_size"]
-    saved = load_file(str(twin_dir / "model.safetensors"))
-    mtp = {k: v for k, v in saved.items() if k.startswith("model.layers.3.")}
-    mtp["model.layers.3.enorm.weight"] = torch.ones(h)
-    mtp["model.layers.3.hnorm.weight"] = torch.ones(h)
-    mtp["model.layers.3.eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.05
-    mtp["model.layers.3.shared_head.norm.weight"] = torch.ones(h)
-    # DeepSeek's checkpoints repeat the shared embedding and head under the MTP prefix.
-    mtp["model.layers.3.embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
-    mtp["model.layers.3.shared_head.head.weight"] = model.lm_head.weight.detach().clone()
-    save_file(mtp, str(path / "model-mtp.safetensors"))
-    cfg = json.loads((path / "config.json").read_text())
-    assert cfg.get("num_nextn_predict_layers") == 1
-    return path, model.eval(), twin.eval(), mtp
 
 
 def _llm(path, **kw) -> LLM:  # noqa: ANN001

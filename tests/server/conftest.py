@@ -90,3 +90,20 @@ def wait_idle(served: ServedModel, timeout: float = 10.0) -> None:
         f"engine not idle: {eng.pool.num_used} blocks used, "
         f"{eng.num_unfinished} requests, {served.engine.num_pending} pending"
     )
+
+
+def wait_healthy(url: str, procs: list, seconds: float = 90) -> None:  # noqa: ANN001
+    """Until GET /health answers 200; fail with a process's output if one exits first."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        for p in procs:
+            assert p.poll() is None, p.stdout.read()
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.3)

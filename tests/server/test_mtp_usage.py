@@ -9,11 +9,10 @@ from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.serving import ServedModel
-from tests.models.test_deepseek_mtp import mtp_dir  # noqa: F401  (the fixture)
 from tests.server.conftest import running_server
 
 
-def test_usage_and_metrics_report_drafts(mtp_dir):  # noqa: F811
+def test_usage_and_metrics_report_drafts(mtp_dir):
     import openai
 
     config = EngineConfig(
