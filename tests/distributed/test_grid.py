@@ -180,6 +180,7 @@ def test_mtp_speculation_under_a_grid_drafts_and_accepts_like_one_process(mtp_di
     path = str(mtp_dir[0])
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     single = LLM(path, dtype="float32", num_blocks=96, block_size=4)
+    ref_drafts = _record_drafts(single)
     ref = single.generate(prompts, GREEDY)
     grid = LLM(
         path,
@@ -191,13 +192,30 @@ def test_mtp_speculation_under_a_grid_drafts_and_accepts_like_one_process(mtp_di
         expert_parallel=ep,
     )
     try:
-        assert grid.engine.executor.runner.drafter is not None
+        drafts = _record_drafts(grid)
         got = grid.generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        # Every step's drafts, proposed by the split MTP layer, equal the one-process ones.
+        assert len(drafts) > 20 and drafts == ref_drafts
         counts = [(o.metrics.num_draft_tokens, o.metrics.num_accepted_draft_tokens) for o in got]
         assert counts == [
             (o.metrics.num_draft_tokens, o.metrics.num_accepted_draft_tokens) for o in ref
         ]
-        assert sum(d for d, _ in counts) > 40
     finally:
         grid.engine.shutdown()
+
+
+def _record_drafts(llm) -> list[dict]:  # noqa: ANN001
+    """The drafts rank 0's MTP drafter proposes, step by step (request ids made positional)."""
+    drafter = llm.engine.executor.runner.drafter
+    assert drafter is not None
+    steps: list[dict] = []
+    propose = drafter.propose
+
+    def recording(inp, hidden, result, wants):  # noqa: ANN001, ANN202
+        propose(inp, hidden, result, wants)
+        order = {s.req_id: i for i, s in enumerate(inp.seqs)}
+        steps.append({order[r]: d for r, d in result.drafts.items()})
+
+    drafter.propose = recording
+    return steps
