@@ -60,19 +60,37 @@ def _link_rank(rank: int, port: int, result: Any) -> None:
     t = time.perf_counter()
     for _ in range(200):
         dist.all_reduce(small)
-    latency = (time.perf_counter() - t) / 200 / 2  # a 2-rank all-reduce is ~2 messages
+    idle = (time.perf_counter() - t) / 200 / 2  # a 2-rank all-reduce is ~2 messages
+    # In a decode step each all-reduce follows a matmul, and the faster rank waits for the
+    # slower one: time matmul+all-reduce against matmul alone (what a step really pays).
+    weights = [torch.randn(1536, 1536, dtype=torch.bfloat16) for _ in range(16)]
+    x = torch.randn(1, 1536, dtype=torch.bfloat16)
+
+    def layers(sync: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(128):
+            torch.nn.functional.linear(x, weights[i % 16])
+            if sync:
+                dist.all_reduce(small)
+        return time.perf_counter() - t0
+
+    layers(True)
+    alone = min(layers(False) for _ in range(3))
+    synced = min(layers(True) for _ in range(3))
+    latency = max(idle, (synced - alone) / 128 / 2)
     t = time.perf_counter()
     for _ in range(5):
         dist.all_reduce(big)
     bandwidth = big.numel() * 4 / ((time.perf_counter() - t) / 5)  # 2(n-1)/n = 1 for n = 2
     if rank == 0:
-        result.put((latency, bandwidth, float(concurrent)))
+        result.put((latency, bandwidth, float(concurrent), idle))
     dist.destroy_process_group()
 
 
-def link_between_processes() -> tuple[float, float, float]:
-    """(latency per message, bytes/s) of gloo between two single-threaded local processes, and
-    the memory bandwidth each of them reaches while both stream at once."""
+def link_between_processes() -> tuple[float, float, float, float]:
+    """Gloo between two single-threaded local processes: (latency per message inside a step,
+    bytes/s, the memory bandwidth each reaches while both stream at once, idle latency)."""
     import multiprocessing as mp
 
     from dsinfer.distributed.parallel_state import free_local_port
@@ -106,8 +124,13 @@ def probe(name: str = "this-cpu") -> dict[str, Any]:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    latency, link_bw, concurrent = link_between_processes()
-    link = {"bandwidth": link_bw, "latency": latency, "link": "gloo over loopback (measured)"}
+    latency, link_bw, concurrent, idle = link_between_processes()
+    link = {
+        "bandwidth": link_bw,
+        "latency": latency,
+        "latency_idle": idle,
+        "link": "gloo over loopback (measured; latency as paid between matmuls)",
+    }
     return {
         "name": name,
         "description": f"measured by dsinfer probe: {cores} cores, torch {torch.__version__}",
