@@ -3,7 +3,8 @@ thread per rank, gloo) for tp=1, tp=2 and pp=2 — and for the MoE model ep=2 an
 on three models:
 
 - R1-Distill-Qwen-1.5B shapes with random bf16 weights;
-- SmolLM2-135M (real weights; its 9 heads do not split in two, so no tp=2);
+- SmolLM2-135M (real weights; its 9 heads and 3 KV heads do not split in two, so tp=3 —
+  three processes on this machine's cores — stands in for tp=2);
 - DeepSeek-V2-Lite shapes (MLA, 64 routed experts of which 6 per token, 2 shared) with random
   bf16 weights and 4 of its 27 layers (1 dense + 3 MoE; all widths as published), so that the
   single process fits this machine's memory.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -59,7 +61,7 @@ def models(tmp: Path) -> dict[str, tuple[str, int, list[tuple[int, int, int]], P
         "smollm2": (
             "LLM('smollm2', dtype='bfloat16', kv_cache_memory='512MiB'",
             1,
-            [(1, 1, 1), (1, 2, 1)],
+            [(1, 1, 1), (1, 2, 1), (3, 1, 1)],  # 9 heads, 3 KV heads: tp=3, not tp=2
             None,
         ),
         f"v2-lite-{V2_LITE_LAYERS}l": (
@@ -106,6 +108,13 @@ def main() -> int:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--models", default=None, help="comma-separated subset of the three")
     p.add_argument("--repeats", type=int, default=1, help="median of this many runs per row")
+    p.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="write the probed profile and every measurement as JSON (tests/planner replays "
+        "the planner's choice against it)",
+    )
     args = p.parse_args()
     from dsinfer.models.loader import read_model_config, resolve_model_path
     from dsinfer.models.registry import config_from_hf
@@ -127,6 +136,8 @@ def main() -> int:
     table = models(tmp)
     wanted = args.models.split(",") if args.models else list(table)
     context = args.prompt_len + args.new_tokens // 2
+    cores = os.cpu_count() or 1
+    record: dict = {"profile": probed, "context": context, "rows": []}
     print("model                 plan            batch  measured  predicted  predicted/measured")
     for name in wanted:
         load, bos, plans, config_dir = table[name]
@@ -146,14 +157,21 @@ def main() -> int:
                     for _ in range(args.repeats)
                 )
                 measured = runs[len(runs) // 2]
+                record["rows"].append(
+                    {"model": name, "plan": list(plan), "batch": batch, "runs_s": runs}
+                )
+                if args.save:
+                    args.save.write_text(json.dumps(record, indent=1) + "\n")
                 rows[plan_name(plan)] = (measured, predicted, runs[0], runs[-1])
                 print(
                     f"{name:21s} {plan_name(plan):14s}  {batch:5d}  {measured * 1e3:6.1f} ms "
                     f"{predicted * 1e3:7.1f} ms  {predicted / measured:8.2f}",
                     flush=True,
                 )
-            fastest = min(rows, key=lambda k: rows[k][0])
-            chosen = min(rows, key=lambda k: rows[k][1])
+            # Candidates: plans with no more ranks than cores (SmolLM2's tp=3 is shown only).
+            fits = [n for n, p in zip(rows, plans, strict=True) if max(p[0], p[2]) * p[1] <= cores]
+            fastest = min(fits, key=lambda k: rows[k][0])
+            chosen = min(fits, key=lambda k: rows[k][1])
             if fastest == chosen:
                 verdict = "agree"
             elif rows[chosen][2] <= rows[fastest][3]:  # their run-to-run ranges overlap

@@ -51,7 +51,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.devices % args.nodes:
         raise ValueError(f"--devices {args.devices} is not a multiple of --nodes {args.nodes}")
     profile = load_profile(args.profile)
-    profile = dataclasses.replace(profile, devices_per_node=args.devices // args.nodes)
+    per_node = args.devices // args.nodes
+    if profile.shared_host and per_node > profile.devices_per_node:
+        # One CPU "device" is one single-threaded process: more than the cores would
+        # time-slice, and collectives would wait on descheduled ranks (SmolLM2 tp=3 on 2
+        # cores measured 4× slower than one process) — nothing this model predicts.
+        raise ValueError(
+            f"{args.profile} describes a host with {profile.devices_per_node} cores: plan for "
+            f"at most {profile.devices_per_node} devices per node (--devices / --nodes)"
+        )
+    profile = dataclasses.replace(profile, devices_per_node=per_node)
     weight_dtype = args.weight_dtype or artifact_dtype or "bfloat16"
     shape = model_shape(cfg, Path(args.model).name or args.model)
     work = Workload(context=args.context, batch=args.batch, weight_dtype=weight_dtype)

@@ -79,3 +79,7 @@ def test_profiles_and_probe(tmp_path, capsys):
     # SmolLM2 has 9 heads: tensor parallel 2 is impossible; the planner says dp or pp.
     assert main(["plan", "--model", "smollm2", "--devices", "2", "--profile", str(out)]) == 0
     assert "tp=2" not in capsys.readouterr().out
+    # More single-threaded ranks than this host's cores: refused, not predicted.
+    many = str(probed.devices_per_node + 1)
+    assert main(["plan", "--model", "smollm2", "--devices", many, "--profile", str(out)]) == 2
+    assert "cores" in capsys.readouterr().err
