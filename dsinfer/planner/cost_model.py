@@ -72,14 +72,15 @@ def _all_to_all(bytes_: float, n: int, link: Link, eff: float) -> float:
 
 
 def _busiest_share(experts: int, touched: float, ep: int) -> float:
-    """Expected experts touched on the busiest of `ep` ranks holding experts/ep each: a
-    binomial share per rank, its maximum over the ranks approximated as mean + c·σ (c is the
-    expected maximum of `ep` standard normals)."""
-    per = experts / ep
-    p = touched / experts
-    mean, sd = per * p, math.sqrt(per * p * (1 - p))
+    """Expected experts touched on the busiest of `ep` ranks holding experts/ep each. A rank's
+    count is hypergeometric (`touched` of `experts` drawn without replacement, 1/ep of them
+    its own); the maximum over the ranks is approximated as mean + c·σ (c: the expected
+    maximum of `ep` standard normals)."""
+    per, q = experts / ep, 1 / ep
+    mean = touched * q
+    var = touched * q * (1 - q) * (experts - touched) / max(1, experts - 1)
     c = {1: 0.0, 2: 0.564, 4: 1.029, 8: 1.424}.get(ep, math.sqrt(2 * math.log(ep)))
-    return min(per, mean + c * sd)
+    return min(per, mean + c * math.sqrt(max(0.0, var)))
 
 
 def _link(group: int, profile: DeviceProfile, inner: int = 1) -> Link:
