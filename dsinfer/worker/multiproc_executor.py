@@ -28,9 +28,11 @@ import torch
 from dsinfer.device import distributed_backend, rank_device
 from dsinfer.distributed.comm import broadcast_object
 from dsinfer.distributed.parallel_state import (
+    ParallelState,
     check_grid,
     destroy_parallel,
     free_local_port,
+    get_tp,
     init_parallel,
 )
 from dsinfer.worker.model_runner import ModelRunner
@@ -131,6 +133,12 @@ class MultiprocExecutor:
     def __init__(self, config: Any, load: Callable, device: torch.device) -> None:
         if config.node_rank != 0:
             raise ValueError("the engine runs on node 0; other nodes run run_worker_node")
+        if get_tp() != ParallelState():
+            # This process is rank 0 of a group already (the parallel state is per process).
+            raise ValueError(
+                "this process already runs a --parallel engine: one parallel model (version) "
+                "per server process; serve other models or versions from their own server"
+            )
         ranks = node_ranks(config)
         port = rendezvous_port(config)
         self.procs = _spawn(ranks[1:], port, config, load, device)

@@ -16,6 +16,7 @@ import torch
 from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig
 from dsinfer.distributed.parallel_state import ParallelState, check_grid
 from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.sampling import SamplingParams
 from tests.distributed.test_parallel import _generate, generate_argv
 from tests.helpers import tiny_llama_dir
 
@@ -219,3 +220,16 @@ def _record_drafts(llm) -> list[dict]:  # noqa: ANN001
 
     drafter.propose = recording
     return steps
+
+
+def test_a_second_parallel_engine_in_one_process_is_refused(tmp_path):
+    config = _tiny_config(tiny_llama_dir(tmp_path / "tiny"), 16)
+    first = LLMEngine(dataclasses.replace(config, tensor_parallel=2))
+    try:
+        with pytest.raises(ValueError, match="one parallel model"):
+            LLMEngine(dataclasses.replace(config, pipeline_parallel=2))
+        first.add_request([1, 5, 9], SamplingParams(max_tokens=3))
+        while first.has_unfinished_requests():  # the first engine is untouched
+            first.step()
+    finally:
+        first.shutdown()
