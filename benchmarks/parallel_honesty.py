@@ -169,7 +169,11 @@ def main() -> int:
                     flush=True,
                 )
             # Candidates: plans with no more ranks than cores (SmolLM2's tp=3 is shown only).
-            fits = [n for n, p in zip(rows, plans, strict=True) if max(p[0], p[2]) * p[1] <= cores]
+            fits = [
+                n
+                for n, p in zip(rows, plans, strict=True)
+                if Plan(p[0], p[1], 1, p[2]).devices <= cores
+            ]
             fastest = min(fits, key=lambda k: rows[k][0])
             chosen = min(fits, key=lambda k: rows[k][1])
             if fastest == chosen:

@@ -115,6 +115,11 @@ def get_tp() -> ParallelState:
     return _state
 
 
+def in_group() -> bool:
+    """Whether this process already holds a rank (the state is set once per process)."""
+    return _state != ParallelState()
+
+
 def stage_group() -> Any:
     """The group of this pipeline stage's ranks (TP and EP collectives)."""
     return _stage_group
@@ -131,7 +136,7 @@ def init_parallel(
 ) -> None:
     """Join the group at master_addr:port; set this rank's state and its stage's group."""
     global _state, _stage_group
-    if _state != ParallelState():
+    if in_group():
         raise RuntimeError("parallel state is already set in this process")
     state = ParallelState.of_rank(rank, tp, pp, ep)
     dist.init_process_group(

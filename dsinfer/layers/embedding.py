@@ -41,7 +41,7 @@ class VocabEmbedding(nn.Module):
                 f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
                 f"{tuple(param.shape)} per rank"
             )
-        param.data.copy_(loaded.narrow(0, self.start, rows))
+        param.data.copy_(self.local_part("weight", loaded))
 
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the whole stored table."""

@@ -8,6 +8,7 @@ import os
 
 from dsinfer.planner.cost_model import Plan, Workload, estimate
 from dsinfer.planner.model_shape import model_shape
+from dsinfer.planner.planner import divisors
 from dsinfer.planner.probe import probe
 from dsinfer.planner.profiles import profile_from_dict
 
@@ -19,7 +20,7 @@ def runnable_plans(shape, devices: int) -> list[Plan]:  # noqa: ANN001
     tensor parallel, expert parallel (MoE) or both spanning a stage; one replica."""
     plans = []
     for world in range(1, devices + 1):
-        for pp in (d for d in range(1, world + 1) if world % d == 0 and d <= shape.num_layers):
+        for pp in (d for d in divisors(world) if d <= shape.num_layers):
             width = world // pp
             if width == 1:
                 plans.append(Plan(1, pp, 1))

@@ -9,22 +9,22 @@ from dsinfer.planner.model_shape import ModelShape
 from dsinfer.planner.profiles import DeviceProfile
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidate_plans(shape: ModelShape, devices: int) -> list[Plan]:
     plans = []
-    for tp in _divisors(devices):
+    for tp in divisors(devices):
         if shape.num_heads % tp:
             continue  # heads split evenly over TP ranks
-        for pp in _divisors(devices // tp):
+        for pp in divisors(devices // tp):
             if pp > shape.num_layers:
                 continue
             dp = devices // (tp * pp)
             eps = [1]
             if shape.num_experts:
-                eps = [ep for ep in _divisors(tp * dp) if shape.num_experts % ep == 0]
+                eps = [ep for ep in divisors(tp * dp) if shape.num_experts % ep == 0]
             plans += [Plan(tp, pp, dp, ep) for ep in eps]
     return plans
 

@@ -28,11 +28,10 @@ import torch
 from dsinfer.device import distributed_backend, rank_device
 from dsinfer.distributed.comm import broadcast_object
 from dsinfer.distributed.parallel_state import (
-    ParallelState,
     check_grid,
     destroy_parallel,
     free_local_port,
-    get_tp,
+    in_group,
     init_parallel,
 )
 from dsinfer.worker.model_runner import ModelRunner
@@ -133,7 +132,7 @@ class MultiprocExecutor:
     def __init__(self, config: Any, load: Callable, device: torch.device) -> None:
         if config.node_rank != 0:
             raise ValueError("the engine runs on node 0; other nodes run run_worker_node")
-        if get_tp() != ParallelState():
+        if in_group():
             # This process is rank 0 of a group already (the parallel state is per process).
             raise ValueError(
                 "this process already runs a --parallel engine: one parallel model (version) "
