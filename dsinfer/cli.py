@@ -93,6 +93,13 @@ def resolve_parallel(spec: str | None, model: str) -> tuple[int, int, int]:
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    if args.parallel == "auto" and args.nnodes > 1:
+        # Each node would probe and plan on its own and could pick another grid: the group
+        # would never form. Every node must be given the same grid.
+        raise ValueError(
+            "--parallel auto plans for one machine: with --nnodes > 1 give every node the "
+            "same grid (e.g. --parallel tp=4,pp=2)"
+        )
     tp, pp, ep = resolve_parallel(args.parallel, model)
     return EngineConfig(
         model=model,

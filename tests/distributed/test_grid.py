@@ -131,6 +131,8 @@ def test_cli_refuses_unsplittable_grids_and_uneven_nodes(tmp_path, capsys):
     assert "spread evenly" in capsys.readouterr().err
     assert main([*argv, "--parallel", "tp=2", "--nnodes", "2", "--node-rank", "1"]) == 2
     assert "--master-port" in capsys.readouterr().err
+    assert main([*argv, "--parallel", "auto", "--nnodes", "2", "--master-port", "1"]) == 2
+    assert "same grid" in capsys.readouterr().err
 
 
 def test_two_nodes_over_the_rendezvous_flags_match_one_process(tmp_path, capsys):
