@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+# Seeds are int64 (OpenAI's range; torch.Generator takes no more).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(slots=True)
@@ -68,6 +70,11 @@ class SamplingParams:
             "presence_penalty",
             f"must be in [-2, 2], got {self.presence_penalty}",
         )
+        _check(
+            self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+            "seed",
+            f"must be a 64-bit signed integer, got {self.seed}",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(
@@ -101,6 +108,11 @@ def split_samples(params: SamplingParams, n: int | None = None) -> list[Sampling
     n = params.n if n is None else n
     if n == 1 and params.n == 1:
         return [params]
+    if params.seed is not None and params.seed + n - 1 > SEED_MAX:
+        raise ValueError(
+            f"invalid sampling parameter seed: {params.seed} with n={n} derives seeds past "
+            f"{SEED_MAX}; use a smaller seed"
+        )
     return [
         dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
         for i in range(n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -14,6 +15,7 @@ from dsinfer.config import EngineConfig
 from dsinfer.device import resolve_device
 from dsinfer.engine.block_pool import BlockPool
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
+from dsinfer.engine.fault_isolation import RequestFailure, execute_isolating
 from dsinfer.engine.kv_cache_manager import KVCacheManager
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dsinfer.engine.request import Request, RequestStatus
@@ -135,12 +137,41 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduling step. A request that makes the step fail is failed alone (its output
+        has finish_reason "error"); the engine raises only for faults that are not a request's."""
         sched_out = self.scheduler.schedule()
         if not sched_out.seqs and not sched_out.finished_req_ids:
             return []
-        result = self.executor.execute(sched_out)
+        result, failures = execute_isolating(
+            self.executor.execute, sched_out, self.executor.is_engine_fault
+        )
+        outputs = [self.fail_request(rid, why) for rid, why in failures.items()]
+        if failures:
+            kept = [s for s in sched_out.seqs if s.req_id not in failures]
+            sched_out = dataclasses.replace(sched_out, seqs=kept)
         updates = self.scheduler.update(sched_out, result)
-        return [o for u in updates if (o := self._process(u)) is not None]
+        for u in updates:
+            try:
+                out = self._process(u)
+            except Exception as exc:  # detokenising or stop checks of this request alone
+                out = self.fail_request(u.req.request_id, RequestFailure.of(exc), log=exc)
+            if out is not None:
+                outputs.append(out)
+        return [o for o in outputs if o is not None]
+
+    def fail_request(
+        self, request_id: str, why: RequestFailure, log: BaseException | None = None
+    ) -> RequestOutput | None:
+        """Finish one request with finish_reason "error"; its KV blocks return to the pool."""
+        if log is not None:
+            logger.error("request %s failed (error id %s)", request_id, why.error_id, exc_info=log)
+        tracked = self._tracked.pop(request_id, None)
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        if tracked is None:
+            return None
+        out = self._make_output(tracked, [], finished=True)
+        out.error = why
+        return out
 
     def _process(self, u: StepUpdate) -> RequestOutput | None:
         tracked = self._tracked.get(u.req.request_id)
@@ -199,8 +230,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (nothing to do for one process)."""
-        if isinstance(self.executor, MultiprocExecutor):
-            self.executor.shutdown()
+        self.executor.shutdown()
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dsinfer.engine.fault_isolation import RequestFailure
 from dsinfer.worker.step_io import TokenLogprobs
 
 
@@ -13,7 +14,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     # Streaming: what this step added.
     delta_text: str = ""
@@ -47,3 +48,6 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+    # Set when the engine failed this request alone (finish_reason "error"): why, with the
+    # error id that the server log carries beside the traceback.
+    error: RequestFailure | None = None

@@ -13,7 +13,6 @@ answers 400 and changes nothing.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +21,8 @@ from pydantic import BaseModel, Field
 
 from dsinfer.registry.store import ModelRegistry, RegistryError
 from dsinfer.registry.swap import load_version, unload_version
+from dsinfer.server.http_io import bearer_token, keys_match, parse, read_json
 from dsinfer.server.protocol import APIError
-
-
-def bearer_token(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token if scheme.lower() == "bearer" and token else None
 
 
 class LoadRequest(BaseModel):
@@ -60,14 +55,14 @@ def admin_router(
                 headers={"WWW-Authenticate": "Bearer"},
             )
         key = settings.admin_api_key
-        if key is None or not secrets.compare_digest(token, key):
+        if key is None or not keys_match(token, key):
             why = "the admin API is off (start with --admin-api-key)" if key is None else ""
             raise APIError(403, why or "this key may not use the admin API", "permission_error")
 
     async def body(request: Request, schema: type[BaseModel]) -> Any:
-        from dsinfer.server.api import parse, read_json
-
-        return parse(schema, await read_json(request, settings.max_body_bytes))
+        return parse(
+            schema, await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
+        )
 
     def registry_call(fn: Callable[..., Any], *args: Any) -> Any:
         try:

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from dsinfer.registry.store import ModelRegistry, RegistryError, Version
 from dsinfer.sampling import check_token_ids
-from dsinfer.server.admin import admin_router, bearer_token
-from dsinfer.server.async_engine import EngineDeadError
+from dsinfer.server.admin import admin_router
 from dsinfer.server.chat import chat_completion
 from dsinfer.server.completions import completion
+from dsinfer.server.http_io import bearer_token, keys_match, parse, read_json
 from dsinfer.server.metrics import ServerMetrics
+from dsinfer.server.middleware import ServerMiddleware
 from dsinfer.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -26,7 +25,7 @@ from dsinfer.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from dsinfer.server.serving import ServedModel
+from dsinfer.server.serving import ServedModel, as_api_error
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +35,8 @@ class ServerSettings(BaseModel):
     admin_api_key: str | None = None  # guards /admin/; the admin API is off without it
     max_queued_requests: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
+    body_timeout_s: float = 30.0  # a body slower than this (or cut short) answers 408
+    public_docs: bool = False  # /docs and /openapi.json without the API key
 
 
 def as_registry(models: ModelRegistry | dict[str, ServedModel]) -> ModelRegistry:
@@ -46,48 +47,6 @@ def as_registry(models: ModelRegistry | dict[str, ServedModel]) -> ModelRegistry
     for name, served in models.items():
         registry.add(name, Version.of(served, name))
     return registry
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise APIError(
-            413,
-            f"request body of {length} bytes exceeds the {limit}-byte limit",
-            code="request_too_large",
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(
-                413, f"request body exceeds the {limit}-byte limit", code="request_too_large"
-            )
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise APIError(
-            400, f"malformed JSON body: {e.msg} at line {e.lineno} column {e.colno}"
-        ) from None
-
-
-def parse(model: type[BaseModel], data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise APIError(400, "the JSON body must be an object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(x) for x in err["loc"] if not isinstance(x, int)]
-        param = loc[0] if loc else None
-        where = ".".join(str(x) for x in err["loc"])
-        raise APIError(400, f"invalid '{where}': {err['msg']}", param=param) from None
 
 
 def build_app(
@@ -104,13 +63,12 @@ def build_app(
     app.state.registry = registry
     app.state.metrics = metrics
 
-    @app.middleware("http")
-    async def _version_header(request: Request, call_next: Callable) -> Any:
-        response = await call_next(request)
-        served_by = getattr(request.state, "served_by", None)
-        if served_by is not None:
-            response.headers["x-dsinfer-model"] = served_by
-        return response
+    app.add_middleware(ServerMiddleware, api_key=settings.api_key, public_docs=settings.public_docs)
+
+    async def body_of(request: Request, schema: type[BaseModel]) -> Any:
+        return parse(
+            schema, await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -128,8 +86,7 @@ def build_app(
     def authorize(request: Request) -> None:
         if settings.api_key is None:
             return
-        token = bearer_token(request) or ""
-        if not secrets.compare_digest(token, settings.api_key):
+        if not keys_match(bearer_token(request), settings.api_key):
             raise APIError(
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer KEY'",
@@ -151,14 +108,23 @@ def build_app(
             )
         return served
 
-    def admit(served: ServedModel) -> None:
+    def admit(served: ServedModel, wanted: int) -> None:
+        """Refuse (429) when the queue is full. Requests are submitted to the engine in the
+        same event-loop turn as this check, so a burst cannot slip past it."""
+        limit = settings.max_queued_requests
+        if wanted > limit:
+            raise APIError(
+                400,
+                f"this request asks for {wanted} generations (prompts x n) but the server "
+                f"queues at most {limit}; split it into smaller requests",
+                param="n",
+            )
         eng = served.engine
-        queued = eng.num_pending - len(eng.engine.scheduler.running)
-        if queued >= settings.max_queued_requests:
+        queued = eng.num_pending - eng.num_running
+        if queued + wanted > limit:
             raise APIError(
                 429,
-                f"server busy: {queued} requests queued (limit "
-                f"{settings.max_queued_requests}); retry shortly",
+                f"server busy: {queued} requests queued (limit {limit}); retry shortly",
                 "rate_limit_error",
                 headers={"Retry-After": "1"},
             )
@@ -167,15 +133,13 @@ def build_app(
         request: Request, schema: type[BaseModel], run: Callable[..., Awaitable[Any]]
     ) -> Any:
         authorize(request)
-        body = parse(schema, await read_json(request, settings.max_body_bytes))
+        body = await body_of(request, schema)
         served = pick(request, body.model, body.user)
-        admit(served)
+        admit(served, body.num_generations())
         try:
             result = await run(served, body, metrics, request)
-        except ValueError as e:  # the engine refused the request (e.g. larger than the KV pool)
-            raise APIError(400, str(e)) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), "server_error") from None
+        except Exception as e:  # refused by the engine, failed alone, or the engine stopped
+            raise as_api_error(e) from e
         if not isinstance(result, StreamingResponse):
             metrics.requests.inc(1, request.url.path, "200")
         return result
@@ -219,14 +183,28 @@ def build_app(
 
     @app.get("/health")
     async def _health() -> JSONResponse:
-        dead = [m.name for m in registry.served() if m.engine.dead is not None]
+        """200 while every engine serves; 503 while one restarts or after one stopped. Each
+        engine's restarts and last fault say what happened."""
+        engines = {
+            m.name: {
+                "state": m.engine.state,
+                "restarts": m.engine.restarts,
+                "last_fault": m.engine.last_fault,
+            }
+            for m in registry.served()
+        }
+        dead = [n for n, e in engines.items() if e["state"] == "dead"]
+        restarting = [n for n, e in engines.items() if e["state"] == "restarting"]
+        status = "error" if dead else "restarting" if restarting else "ok"
+        body = {"status": status, "engines": engines}
         if dead:
-            return JSONResponse({"status": "error", "dead": dead}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            body["dead"] = dead
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def _metrics() -> PlainTextResponse:
         for m in registry.served():
+            metrics.restarts.set_total(m.engine.restarts, m.name)
             if m.engine.engine is not None:
                 metrics.update_engine(m.name, m.engine.engine)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
@@ -234,11 +212,14 @@ def build_app(
     @app.post("/tokenize")
     async def _tokenize(request: Request) -> dict:
         authorize(request)
-        body = parse(TokenizeRequest, await read_json(request, settings.max_body_bytes))
+        body = await body_of(request, TokenizeRequest)
         served = pick(request, body.model)
         if body.messages is not None:
-            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = served.tokenizer.encode_chat(msgs)
+            try:
+                msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+                ids = served.tokenizer.encode_chat(msgs)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
         elif body.prompt is not None:
             ids = served.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
@@ -248,7 +229,7 @@ def build_app(
     @app.post("/detokenize")
     async def _detokenize(request: Request) -> dict:
         authorize(request)
-        body = parse(DetokenizeRequest, await read_json(request, settings.max_body_bytes))
+        body = await body_of(request, DetokenizeRequest)
         served = pick(request, body.model)
         try:
             check_token_ids(body.tokens, served.tokenizer.vocab_size)

@@ -3,15 +3,24 @@
 The event loop never runs model code. Commands (add, abort) cross to the engine thread through
 a thread-safe inbox; outputs cross back with `call_soon_threadsafe`. A request whose client
 went away is aborted, and its KV blocks return to the pool on the next step.
+
+Containment: a request that fails inside a step is failed alone by the engine (its stream gets
+RequestFailedError → HTTP 500 with an error id). A fault that is not a request's (out of
+memory, a dead tensor-parallel rank, a bug in the loop itself) restarts the engine on this
+thread: requests that had produced nothing yet are queued again on the new engine, the others
+get EngineRestartingError (→ 503 + Retry-After). Too many restarts in a short time, or a
+restart that fails, stop the engine for good (EngineDeadError → 503, /health 503).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -21,24 +30,78 @@ from dsinfer.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# More restarts than this within the window means the fault is not transient: stop for good.
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 300.0
+
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine stopped and will not come back without a process restart."""
+
+
+class EngineRestartingError(EngineDeadError):
+    """The engine restarted under this request; the client may retry at once."""
+
+    retry_after = 1
+
+
+class RequestFailedError(RuntimeError):
+    """This request alone failed inside the engine; `error_id` is in the server log."""
+
+    def __init__(self, error_id: str, message: str) -> None:
+        super().__init__(message)
+        self.error_id = error_id
 
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    prompt_ids: list[int]
+    params: SamplingParams
+    added: bool = False  # taken from the inbox into the engine
+    started: bool = False  # an output was delivered (a restart cannot replay it)
+
+
+class RequestStream:
+    """One request's outputs (deltas) as an async iterator. Registered with the engine when
+    created — not when first iterated — so admission counts it at once; `close()` (idempotent)
+    aborts it if it has not finished."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self._owner, self.request_id, self._stream = owner, request_id, stream
+        self.finished = self.closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._owner._streams.pop(self.request_id, None)
+        if not self.finished:
+            self._owner._send("abort", self.request_id)
 
 
 class AsyncEngine:
     """Owns one LLMEngine on a dedicated thread.
 
     Pass a factory rather than a built engine where you can: the engine is then built on the
-    thread that will run it. With torch's OpenMP pool, a thread other than the one that first
-    ran parallel regions pays ~2x per small GEMM (measured: 124 vs 230 us for a 576x3072 GEMV),
-    so loading on the main thread and stepping on another halves single-stream speed.
+    thread that will run it, and can be rebuilt there after a fault. With torch's OpenMP pool,
+    a thread other than the one that first ran parallel regions pays ~2x per small GEMM
+    (measured: 124 vs 230 us for a 576x3072 GEMV), so loading on the main thread and stepping
+    on another halves single-stream speed.
     """
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
@@ -50,6 +113,10 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.dead: BaseException | None = None
+        self.restarting = False
+        self.restarts = 0
+        self.last_fault: str | None = None
+        self._fault_times: deque[float] = deque()
         self._thread = threading.Thread(target=self._run, name="dsinfer-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -62,30 +129,40 @@ class AsyncEngine:
         """Requests accepted and not yet finished (queued, running, or about to be added)."""
         return len(self._streams)
 
+    @property
+    def num_running(self) -> int:
+        engine = self.engine
+        return len(engine.scheduler.running) if engine is not None else 0
+
+    @property
+    def state(self) -> str:
+        """ "ok", "restarting" or "dead", for /health."""
+        return "dead" if self.dead is not None else "restarting" if self.restarting else "ok"
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> RequestStream:
+        """Queue a request now and return its output stream (call from the event loop)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self.dead}")
+        if request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), prompt_ids, params)
+        self._streams[request_id] = stream
+        self._send("add", request_id)
+        return RequestStream(self, request_id, stream)
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs (deltas) until finished; aborts the request if the consumer
         stops early (client disconnect, cancellation)."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine stopped: {self.dead}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._send("add", (request_id, prompt_ids, params))
-        finished = False
+        stream = self.submit(prompt_ids, params, request_id)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for out in stream:
+                yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._send("abort", request_id)
+            stream.close()
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -99,6 +176,16 @@ class AsyncEngine:
         self._wake.set()
 
     # -- engine thread --------------------------------------------------------------------------
+    def _add(self, rid: str, stream: _Stream) -> None:
+        stream.added = True
+        try:
+            self.engine.add_request(stream.prompt_ids, stream.params, request_id=rid)
+        except ValueError as e:
+            self._deliver(rid, e)
+        except Exception as e:  # a request the engine cannot take must not stop the loop
+            logger.exception("request %s refused by the engine", rid)
+            self._deliver(rid, RequestFailedError("add", f"{type(e).__name__}: {e}"))
+
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -106,48 +193,97 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                rid, ids, params = payload  # type: ignore[misc]
-                if rid not in self._streams:
-                    continue  # the client left before we saw it
-                try:
-                    self.engine.add_request(ids, params, request_id=rid)
-                except ValueError as e:
-                    self._deliver(rid, e)
+                stream = self._streams.get(str(payload))
+                if stream is not None:  # else the client left before we saw it
+                    self._add(str(payload), stream)
             elif kind == "abort":
                 self.engine.abort_request(str(payload))
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(rid)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        if stream is None:
+            return
+        if isinstance(item, RequestOutput) and item.error is not None:
+            item = RequestFailedError(item.error.error_id, item.error.message)
+        stream.started = True
+        if isinstance(item, BaseException) or item.finished:
+            self._streams.pop(rid, None)  # counted as pending no longer, even if never read
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _build(self) -> bool:
+        """Build the engine from the factory on this thread; False (and dead) if it fails."""
+        try:
+            self.engine = self._factory()  # type: ignore[misc]
+            return True
+        except BaseException as e:  # reported to the constructor's caller, or via /health
+            logger.exception("the engine could not be built")
+            self.dead = e
+            return False
 
     def _run(self) -> None:
-        if self._factory is not None:
-            try:
-                self.engine = self._factory()
-            except BaseException as e:  # reported to the constructor's caller
-                self.dead = e
-                self._ready.set()
-                return
+        if self._factory is not None and not self._build():
+            self._ready.set()
+            return
         self._ready.set()
+        while not self._stop.is_set():
+            try:
+                self._loop()
+            except BaseException as e:
+                logger.exception("engine fault")
+                if not self._restart(e):
+                    self._die(e)
+                    return
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                self.engine.step()  # flush finished ids to the runner while idle
+                continue
+            t0 = time.perf_counter()
+            outputs = self.engine.step()
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            logger.debug("step %.1f ms, %d outputs", 1e3 * (time.perf_counter() - t0), len(outputs))
+
+    def _restart(self, fault: BaseException) -> bool:
+        """Rebuild the engine after a fault; False when it must stay down."""
+        self.restarts += 1
+        self.last_fault = f"{type(fault).__name__}: {fault}"
+        now = time.monotonic()
+        self._fault_times.append(now)
+        while self._fault_times and now - self._fault_times[0] > RESTART_WINDOW_S:
+            self._fault_times.popleft()
+        if self._factory is None or len(self._fault_times) > MAX_RESTARTS:
+            return False
+        self.restarting = True
+        logger.error("restarting the engine (restart %d) after: %s", self.restarts, self.last_fault)
+        requeue = []
+        for rid, stream in list(self._streams.items()):
+            if stream.added and not stream.started:
+                requeue.append((rid, stream))
+            elif stream.added:
+                self._deliver(rid, EngineRestartingError(f"the engine restarted: {fault}"))
+        old, self.engine = self.engine, None  # type: ignore[assignment]
         try:
-            while not self._stop.is_set():
-                self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    # Flush finished ids to the runner and check the pool while idle.
-                    self.engine.step()
-                    continue
-                t0 = time.perf_counter()
-                outputs = self.engine.step()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-                logger.debug(
-                    "step %.1f ms, %d outputs", 1e3 * (time.perf_counter() - t0), len(outputs)
-                )
-        except BaseException as e:  # a dead engine must not hang its clients
-            logger.exception("engine loop died")
-            self.dead = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"the engine stopped: {e}"))
+            old.shutdown()
+        except Exception:
+            logger.exception("shutting down the failed engine")
+        del old
+        gc.collect()  # free its KV pool and weights before the new engine allocates its own
+        if not self._build():
+            return False
+        for rid, stream in requeue:
+            if rid in self._streams:  # the client may have left during the restart
+                self._add(rid, stream)
+        self.restarting = False
+        logger.info("engine restarted; %d request(s) queued again", len(requeue))
+        return True
+
+    def _die(self, fault: BaseException) -> None:
+        self.restarting = False
+        self.dead = self.dead or fault
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError(f"the engine stopped: {self.dead}"))

@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from dsinfer.sampling import split_samples
 from dsinfer.server.metrics import ServerMetrics
@@ -14,13 +13,15 @@ from dsinfer.server.protocol import APIError, ChatCompletionRequest
 from dsinfer.server.reasoning import ReasoningParser, split_reasoning
 from dsinfer.server.serving import (
     ChoiceState,
+    EngineStreamingResponse,
     ServedModel,
     Timing,
     chat_logprobs,
     chunker,
     fan_out,
     new_id,
-    sse,
+    open_streams,
+    stream_error,
     until_disconnected,
     usage,
 )
@@ -53,7 +54,7 @@ async def chat_completion(
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
-    max_tokens = served.check_lengths(len(ids), requested, param)
+    max_tokens = served.check_lengths(len(ids), requested, param, "messages")
     top = body.top_logprobs if body.top_logprobs is not None else 0
     try:
         params = body.sampling(max_tokens, top if body.logprobs else None)
@@ -63,18 +64,17 @@ async def chat_completion(
     rid = new_id("chatcmpl")
     metrics.prompt_tokens.inc(len(ids), served.name)
     timing = Timing(metrics, served.name)
+    streams = open_streams(served, ids, all_params, rid)
     if body.stream:
-        gen = _stream(served, body, ids, prompt_text, all_params, rid, timing)
-        return StreamingResponse(
-            gen, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"}
-        )
-    job = _full(served, body, ids, prompt_text, all_params, rid, timing)
-    return await until_disconnected(request, job)
+        gen = _stream(served, body, ids, prompt_text, streams, rid, timing)
+        return EngineStreamingResponse(gen, streams)
+    job = _full(served, body, ids, prompt_text, streams, rid, timing)
+    return await until_disconnected(request, job, streams)
 
 
-async def _full(served, body, ids, prompt_text, all_params, rid, timing) -> dict:  # noqa: ANN001
-    choices = [ChoiceState(i) for i in range(len(all_params))]
-    async for i, out in fan_out(served, ids, all_params, rid):
+async def _full(served, body, ids, prompt_text, streams, rid, timing) -> dict:  # noqa: ANN001
+    choices = [ChoiceState(i) for i in range(len(streams))]
+    async for i, out in fan_out(streams):
         c = out.outputs[0]
         timing.tokens(len(c.delta_token_ids))
         st = choices[i]
@@ -104,11 +104,11 @@ def _usage(n_prompt: int, choices: list[ChoiceState]) -> dict:
     return usage(n_prompt, sum(len(c.token_ids) for c in choices), choices)
 
 
-async def _stream(served, body, ids, prompt_text, all_params, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
+async def _stream(served, body, ids, prompt_text, streams, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = chunker("chat.completion.chunk", served, rid, include_usage)
 
-    states = [ChoiceState(i) for i in range(len(all_params))]
+    states = [ChoiceState(i) for i in range(len(streams))]
     parsers = [ReasoningParser(prompt_text[-32:]) for _ in states] if served.reasoning else None
     for st in states:
         yield chunk(
@@ -122,7 +122,7 @@ async def _stream(served, body, ids, prompt_text, all_params, rid, timing) -> As
             ]
         )
     try:
-        async for i, out in fan_out(served, ids, all_params, rid):
+        async for i, out in fan_out(streams):
             c = out.outputs[0]
             timing.tokens(len(c.delta_token_ids))
             st = states[i]
@@ -153,10 +153,8 @@ async def _stream(served, body, ids, prompt_text, all_params, rid, timing) -> As
                 yield chunk(
                     [{"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}]
                 )
-    except APIError as e:
-        yield sse(e.body())
-    except ValueError as e:
-        yield sse(APIError(400, str(e)).body())
+    except Exception as e:  # refused, failed alone, or the engine stopped: said in the stream
+        yield stream_error(e)
     timing.done()
     if include_usage:
         yield chunk([], _usage(len(ids), states))

@@ -6,20 +6,23 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from dsinfer.sampling import check_token_ids, split_samples
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.protocol import APIError, CompletionRequest
 from dsinfer.server.serving import (
     ChoiceState,
+    EngineStreamingResponse,
+    RequestStream,
     ServedModel,
     Timing,
     chunker,
+    close_all,
     completion_logprobs,
     fan_out,
     new_id,
-    sse,
+    open_streams,
+    stream_error,
     until_disconnected,
     usage,
 )
@@ -58,12 +61,26 @@ async def completion(
         metrics.prompt_tokens.inc(len(ids), served.name)
     rid = new_id("cmpl")
     timing = Timing(metrics, served.name)
+    # Every prompt's requests go to the engine now, so a list of prompts runs as one batch.
+    opened: list[RequestStream] = []
+    try:
+        for p_index, ids, all_params in jobs:
+            sub_rid = rid if len(jobs) == 1 else f"{rid}-{p_index}"
+            opened += open_streams(served, ids, all_params, sub_rid)
+    except BaseException:
+        close_all(opened)
+        raise
     if body.stream:
         _, ids, all_params = jobs[0]
-        return StreamingResponse(
-            _stream(served, body, ids, all_params, rid, timing), media_type="text/event-stream"
-        )
-    return await until_disconnected(request, _full(served, body, jobs, rid, timing))
+        gen = _stream(served, body, ids, opened, rid, timing)
+        return EngineStreamingResponse(gen, opened)
+    streams_of, at = [], 0
+    for _, _, all_params in jobs:
+        streams_of.append(opened[at : at + len(all_params)])
+        at += len(all_params)
+    return await until_disconnected(
+        request, _full(served, body, jobs, streams_of, rid, timing), opened
+    )
 
 
 def _choice_logprobs(served, body, ids, out, st: ChoiceState) -> dict | None:  # noqa: ANN001
@@ -77,15 +94,15 @@ def _choice_logprobs(served, body, ids, out, st: ChoiceState) -> dict | None:  #
     return completion_logprobs(served.tokenizer, entries)
 
 
-async def _full(served, body, jobs, rid, timing) -> dict:  # noqa: ANN001
+async def _full(served, body, jobs, streams_of, rid, timing) -> dict:  # noqa: ANN001
     choices_out: list[dict] = []
     all_states: list[ChoiceState] = []
     n_prompt = n_out = 0
-    for p_index, ids, all_params in jobs:
+    for (_, ids, all_params), streams in zip(jobs, streams_of, strict=True):
         states = [ChoiceState(i) for i in range(len(all_params))]
         all_states += states
         last = {}
-        async for i, out in fan_out(served, ids, all_params, f"{rid}-{p_index}"):
+        async for i, out in fan_out(streams):
             c = out.outputs[0]
             timing.tokens(len(c.delta_token_ids))
             st = states[i]
@@ -118,12 +135,12 @@ async def _full(served, body, jobs, rid, timing) -> dict:  # noqa: ANN001
     }
 
 
-async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
+async def _stream(served, body, ids, streams, rid, timing) -> AsyncIterator[str]:  # noqa: ANN001
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     chunk = chunker("text_completion", served, rid, include_usage)
 
-    states = [ChoiceState(i) for i in range(len(all_params))]
+    states = [ChoiceState(i) for i in range(len(streams))]
     if body.echo:
         echo_text = served.tokenizer.decode(ids)
         for st in states:
@@ -131,7 +148,7 @@ async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[s
                 [{"index": st.index, "text": echo_text, "logprobs": None, "finish_reason": None}]
             )
     try:
-        async for i, out in fan_out(served, ids, all_params, rid):
+        async for i, out in fan_out(streams):
             c = out.outputs[0]
             timing.tokens(len(c.delta_token_ids))
             st = states[i]
@@ -149,10 +166,8 @@ async def _stream(served, body, ids, all_params, rid, timing) -> AsyncIterator[s
                 yield chunk(
                     [{"index": i, "text": "", "logprobs": None, "finish_reason": c.finish_reason}]
                 )
-    except APIError as e:
-        yield sse(e.body())
-    except ValueError as e:
-        yield sse(APIError(400, str(e)).body())
+    except Exception as e:  # refused, failed alone, or the engine stopped: said in the stream
+        yield stream_error(e)
     timing.done()
     if include_usage:
         n_out = sum(len(s.token_ids) for s in states)

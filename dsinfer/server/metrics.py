@@ -43,6 +43,11 @@ class Counter:
         with self._lock:
             self.values[labels] += amount
 
+    def set_total(self, value: float, *labels: str) -> None:
+        """Mirror a running total kept elsewhere (it only grows)."""
+        with self._lock:
+            self.values[labels] = max(self.values[labels], value)
+
     def render(self) -> list[str]:
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
         for lv, v in sorted(self.values.items()):
@@ -116,6 +121,11 @@ class ServerMetrics:
         self.preemptions = Gauge("dsinfer_num_preemptions_total", "Preemptions so far", m)
         self.drafts = Gauge("dsinfer_spec_draft_tokens_total", "Speculative drafts verified", m)
         self.accepted = Gauge("dsinfer_spec_accepted_tokens_total", "Drafts accepted", m)
+        self.restarts = Counter(
+            "dsinfer_engine_restarts_total",
+            "Engine restarts after a fault that was no request's",
+            m,
+        )
         self.acceptance = Gauge(
             "dsinfer_spec_acceptance_rate", "Accepted / verified drafts so far (MTP)", m
         )

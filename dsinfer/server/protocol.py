@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dsinfer.sampling import SamplingParams
+from dsinfer.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_N = 16
+MAX_STOP_CHARS = 1000
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -53,7 +54,8 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # allow_inf_nan=False: Infinity/NaN (which Python's json reads) never reach the sampler.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
@@ -62,7 +64,7 @@ class _Common(BaseModel):
     top_k: int = Field(default=-1, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -71,7 +73,7 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=512)
 
     @field_validator("stop")
     @classmethod
@@ -79,7 +81,23 @@ class _Common(BaseModel):
         stops = [v] if isinstance(v, str) else list(v or [])
         if len(stops) > 8:
             raise ValueError("at most 8 stop sequences are allowed")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
         return stops
+
+    @model_validator(mode="after")
+    def _derived_seeds(self) -> _Common:
+        # Sample i of n uses seed + i: every one of them must be a valid int64 seed too.
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise ValueError(
+                f"seed {self.seed} with n={self.n} derives seeds up to {self.seed + self.n - 1}, "
+                f"past the int64 limit {SEED_MAX}; use a smaller seed"
+            )
+        return self
+
+    def num_generations(self) -> int:
+        """Engine requests this asks for (admission counts them)."""
+        return self.n
 
     def sampling(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -153,6 +171,14 @@ class CompletionRequest(_Common):
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be an empty list")
         return v
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _max_tokens(cls, v: Any) -> Any:
+        return 16 if v is None else v  # OpenAI: null means the default, 16
+
+    def num_generations(self) -> int:
+        return self.n * len(self.prompts())
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

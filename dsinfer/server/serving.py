@@ -11,10 +11,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling import SamplingParams
-from dsinfer.server.async_engine import AsyncEngine
+from dsinfer.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineRestartingError,
+    RequestFailedError,
+    RequestStream,
+)
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.protocol import APIError
 from dsinfer.tokenizer import Tokenizer
@@ -31,16 +38,19 @@ class ServedModel:
     reasoning: bool = False  # R1-style: split <think>…</think> into reasoning_content
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def check_lengths(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
-        """Validate against the context; return the effective max_tokens."""
+    def check_lengths(
+        self, n_prompt: int, max_tokens: int | None, param: str, prompt_param: str = "prompt"
+    ) -> int:
+        """Validate against the context; return the effective max_tokens. `prompt_param`
+        is what the client calls the prompt ("messages" on chat)."""
         if n_prompt == 0:
-            raise APIError(400, "the prompt is empty: send at least one token", param="prompt")
+            raise APIError(400, "the prompt is empty: send at least one token", param=prompt_param)
         if n_prompt >= self.max_model_len:
             raise APIError(
                 400,
                 f"this model's maximum context length is {self.max_model_len} "
                 f"tokens, but the prompt has {n_prompt} tokens; shorten it",
-                param="messages" if param == "max_completion_tokens" else "prompt",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         room = self.max_model_len - n_prompt
@@ -98,40 +108,80 @@ class Timing:
         self.metrics.e2e.observe(time.perf_counter() - self.start, self.model)
 
 
-async def fan_out(
+def open_streams(
     served: ServedModel, prompt_ids: list[int], params: list[SamplingParams], rid: str
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Run n sub-requests concurrently; yield (choice index, delta output) as they arrive."""
-    if len(params) == 1:
-        async for out in served.engine.generate(prompt_ids, params[0], rid):
-            yield 0, out
-        return
-    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, p: SamplingParams) -> None:
-        try:
-            async for out in served.engine.generate(prompt_ids, p, f"{rid}-{i}"):
-                await q.put((i, out))
-        except BaseException as e:  # surfaced to the consumer below
-            await q.put((i, e))
-        finally:
-            await q.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(params)]
+) -> list[RequestStream]:
+    """Submit one engine request per sample now (so admission counts them and they batch)."""
+    streams: list[RequestStream] = []
     try:
-        live = len(tasks)
-        while live:
-            i, item = await q.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        for i, p in enumerate(params):
+            streams.append(
+                served.engine.submit(prompt_ids, p, rid if len(params) == 1 else f"{rid}-{i}")
+            )
+    except BaseException:
+        close_all(streams)
+        raise
+    return streams
+
+
+def close_all(streams: Sequence[RequestStream]) -> None:
+    for s in streams:
+        s.close()
+
+
+async def fan_out(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Merge the samples' streams; yield (choice index, delta output) as they arrive. Closing
+    (or abandoning) the iterator aborts what has not finished."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    await q.put((i, out))
+            except BaseException as e:  # surfaced to the consumer below
+                await q.put((i, e))
+            finally:
+                await q.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            live = len(tasks)
+            while live:
+                i, item = await q.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        close_all(streams)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A streamed answer that aborts its engine requests however the response ends — also
+    when the client left before the body started, which never runs the body's own cleanup."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"}
+        )
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_all(self.streams)
 
 
 def usage(n_prompt: int, n_out: int, choices: Sequence[ChoiceState] = ()) -> dict:
@@ -199,6 +249,43 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def as_api_error(exc: BaseException) -> BaseException:
+    """The HTTP answer for what a handler or the engine raised; other exceptions unchanged
+    (the app's last handler makes them a 500 and logs them)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestFailedError):
+        return APIError(
+            500,
+            f"this request failed inside the engine (error id {exc.error_id}: {exc}); other "
+            "requests were not affected. Report the error id with the request.",
+            "server_error",
+            code="request_failed",
+        )
+    if isinstance(exc, EngineRestartingError):
+        return APIError(
+            503,
+            f"{exc}; retry the request",
+            "server_error",
+            code="engine_restarted",
+            headers={"Retry-After": str(exc.retry_after)},
+        )
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "server_error", code="engine_dead")
+    if isinstance(exc, ValueError):  # the engine refused it (e.g. larger than the KV pool)
+        return APIError(400, str(exc))
+    return exc
+
+
+def stream_error(exc: BaseException) -> str:
+    """An error inside a stream that has started: one SSE event with the OpenAI error body
+    (the status line was sent already). Unknown exceptions are re-raised."""
+    err = as_api_error(exc)
+    if not isinstance(err, APIError):
+        raise exc
+    return sse(err.body())
+
+
 def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -207,8 +294,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-async def until_disconnected(request: Request, coro: Awaitable[Any]) -> Any:
-    """Await `coro`, cancelling it (and so aborting its requests) if the client goes away."""
+async def until_disconnected(
+    request: Request, coro: Awaitable[Any], streams: Sequence[RequestStream] = ()
+) -> Any:
+    """Await `coro`, cancelling it and aborting its engine requests if the client goes away."""
     task = asyncio.ensure_future(coro)
     try:
         while True:
@@ -221,3 +310,4 @@ async def until_disconnected(request: Request, coro: Awaitable[Any]) -> Any:
     finally:
         if not task.done():
             task.cancel()
+        close_all(streams)

@@ -27,3 +27,13 @@ class UniprocExecutor:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(out)
+
+    @staticmethod
+    def is_engine_fault(exc: BaseException) -> bool:
+        """Out of memory is the process's fault, not a request's: the engine restarts rather
+        than failing requests one by one. Everything else one process raises is retried
+        request by request (engine/fault_isolation.py)."""
+        return isinstance(exc, MemoryError | torch.OutOfMemoryError)
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process."""

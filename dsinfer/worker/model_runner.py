@@ -59,6 +59,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One step. On failure the sampler states are rolled back to where they were, so the
+        engine may retry the step (or parts of it) without a token counted twice."""
+        lengths = {
+            s.req_id: len(st.output_token_ids)
+            for s in out.seqs
+            if (st := self.states.get(s.req_id))
+        }
+        try:
+            return self._execute(out)
+        except BaseException:
+            for rid, n in lengths.items():
+                if (st := self.states.get(rid)) is not None:
+                    del st.output_token_ids[n:]
+            raise
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_req_ids:
             self.states.pop(rid, None)
         for nr in out.new_requests:

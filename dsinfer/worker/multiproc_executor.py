@@ -171,9 +171,18 @@ class MultiprocExecutor:
         broadcast_object(out)
         return self.runner.execute(out)
 
+    @staticmethod
+    def is_engine_fault(exc: BaseException) -> bool:
+        """Every failure is the group's: the ranks may have left a collective unmatched, so
+        the engine restarts (new workers) instead of retrying a step on a broken group."""
+        return True
+
     def shutdown(self) -> None:
         if all(p.is_alive() for p in self.procs):
             broadcast_object(None)
         for p in self.procs:
             p.join(timeout=10)
+            if p.is_alive():  # stuck in a collective with a dead peer
+                p.kill()
+                p.join(timeout=5)
         destroy_parallel()
