@@ -103,7 +103,12 @@ def test_dead_worker_fails_the_step_instead_of_hanging(tmp_path):
         destroy_parallel()
 
 
-def test_server_with_a_dead_tp_worker_answers_503_and_fails_health(tmp_path):
+def test_a_dead_tp_worker_fails_in_flight_requests_then_the_engine_restarts(tmp_path):
+    """A killed rank: the stream in flight ends with a 503 event (engine_restarted), the engine
+    rebuilds its workers, and the same server answers again — no process restart."""
+    import json
+    import time
+
     import httpx
 
     from dsinfer.server.api import ServerSettings, build_app
@@ -115,21 +120,46 @@ def test_server_with_a_dead_tp_worker_answers_503_and_fails_health(tmp_path):
     config = EngineConfig(
         model=str(src), cache=CacheConfig(block_size=4, num_blocks=32), tensor_parallel=2
     )
-    runner = AsyncEngine(lambda: LLMEngine(config))
+    builds: list[LLMEngine] = []
+
+    def factory() -> LLMEngine:
+        engine = LLMEngine(config)
+        if not builds:  # slow steps, so the kill lands while the stream is running
+            step = engine.step
+            engine.step = lambda: (time.sleep(0.05), step())[1]  # type: ignore[method-assign]
+        builds.append(engine)
+        return engine
+
+    runner = AsyncEngine(factory)
     served = ServedModel("tiny", runner, runner.engine.tokenizer, runner.engine.max_model_len)
     try:
         with running_server(build_app({"tiny": served}, ServerSettings())) as url:
-            body = {"prompt": "w5 w6", "max_tokens": 4}
-            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-            worker = runner.engine.executor.procs[0]
-            worker.kill()
-            worker.join()
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-            assert r.status_code == 503 and "died" in r.json()["error"]["message"]
-            assert httpx.get(f"{url}/health").status_code == 503
+            body = {"prompt": "w5 w6", "max_tokens": 40, "ignore_eos": True, "stream": True}
+            events = []
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 2:
+                        worker = builds[0].executor.procs[0]
+                        worker.kill()
+                        worker.join()
+            errors = [e["error"] for e in events if "error" in e]
+            assert errors and errors[0]["code"] == "engine_restarted", events[-2:]
+            assert "died" in errors[0]["message"]
+            deadline = time.monotonic() + 60
+            while httpx.get(f"{url}/health").status_code != 200:
+                assert time.monotonic() < deadline, "the engine did not come back"
+                time.sleep(0.2)
+            assert httpx.get(f"{url}/health").json()["engines"]["tiny"]["restarts"] == 1
+            r = httpx.post(
+                f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 4}, timeout=60
+            )
+            assert r.status_code == 200 and len(r.json()["choices"][0]["text"].split()) == 4
+            assert len(builds) == 2 and builds[1].executor.procs[0].is_alive()
     finally:
-        runner._stop.set()  # the engine is dead: stop its thread without a collective
-        runner._wake.set()
+        runner.shutdown()
         from dsinfer.distributed.parallel_state import destroy_parallel
 
         destroy_parallel()
