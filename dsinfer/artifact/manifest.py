@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dsinfer.artifact.errors import ArtifactError
+from dsinfer.artifact.safe_files import MAX_MANIFEST_BYTES, check_rel_path, read_bounded
 from dsinfer.config import ModelConfig, RopeConfig
 
 FORMAT = "dsinfer-artifact"
@@ -83,10 +84,11 @@ def write_manifest(root: Path, manifest: Manifest) -> None:
 def read_manifest(root: Path) -> Manifest:
     """Parse and self-check manifest.json; any change to it shows as a digest mismatch."""
     path = root / MANIFEST
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise ArtifactError(f"{root} is not a dsinfer artifact: {MANIFEST} is missing")
+    raw = read_bounded(path, MAX_MANIFEST_BYTES)
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"))
         if data.pop("format") != FORMAT:
             raise ValueError("not a dsinfer artifact manifest")
         stated = data.pop("version_hash")
@@ -108,7 +110,40 @@ def read_manifest(root: Path) -> Manifest:
             f"{path}: content digest mismatch (expected {stated}, actual {actual}); "
             "the manifest was altered"
         )
+    _check_entries(path, manifest)
     return manifest
+
+
+def _check_entries(path: Path, manifest: Manifest) -> None:
+    """Every path inside the artifact, listed once, with a size and a sha256; the weight and
+    tokenizer files among the digested ones."""
+    seen: set[str] = set()
+    for f in manifest.files:
+        check_rel_path(f.path, "files")
+        if f.path in seen or f.path in (MANIFEST, SIGNATURE):
+            raise ArtifactError(f"{path}: file {f.path} is listed twice; the manifest was altered")
+        seen.add(f.path)
+        if not isinstance(f.size, int) or isinstance(f.size, bool) or f.size < 0:
+            raise ArtifactError(f"{path}: file {f.path} has an invalid size {f.size!r}")
+        if not isinstance(f.sha256, str) or len(f.sha256) != 64 or not _is_hex(f.sha256):
+            raise ArtifactError(f"{path}: file {f.path} has an invalid sha256 {f.sha256!r}")
+    for what, names in (
+        ("weight_files", manifest.weight_files),
+        ("tokenizer_files", manifest.tokenizer_files),
+    ):
+        if not isinstance(names, list) or len(set(map(str, names))) != len(names):
+            raise ArtifactError(f"{path}: {what} must list each file once")
+        for name in names:
+            check_rel_path(name, what)
+            if name not in seen:
+                raise ArtifactError(
+                    f"{path}: {what} names {name}, which has no digest in 'files'; every "
+                    "file the runtime opens must be digested"
+                )
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsinfer.artifact.errors import ArtifactError
-from dsinfer.artifact.manifest import MANIFEST, SIGNATURE, Manifest, read_manifest, sha256_file
+from dsinfer.artifact.manifest import MANIFEST, SIGNATURE, Manifest, read_manifest
+from dsinfer.artifact.safe_files import regular_file_size, sha256_regular, walk_entries
 from dsinfer.artifact.signing import verify_signature
 
 logger = logging.getLogger(__name__)
@@ -43,30 +44,33 @@ def is_artifact(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
 
 
-def _listed_files(root: Path) -> set[str]:
-    found = set()
-    for dirpath, _dirs, names in os.walk(root):
-        for name in names:
-            found.add(Path(dirpath, name).relative_to(root).as_posix())
-    return found - {MANIFEST, SIGNATURE}
-
-
-def check_files(root: Path, manifest: Manifest) -> None:
-    """Every listed file present with its size and sha256; nothing unlisted beside them."""
+def check_layout(root: Path, manifest: Manifest) -> None:
+    """Before any byte is hashed: every listed file is a regular file inside the artifact with
+    the manifest's size, and nothing else is there (no extra file, link, FIFO or device)."""
+    present, others = walk_entries(root)
+    if others:
+        raise ArtifactError(
+            f"{root / others[0]}: not a regular file (a link, FIFO or device); an artifact "
+            "holds regular files only"
+        )
     listed = {f.path for f in manifest.files}
-    present = _listed_files(root)
     if missing := sorted(listed - present):
         raise ArtifactError(f"{root}: file {missing[0]} listed in the manifest is missing")
-    if extra := sorted(present - listed):
+    if extra := sorted(present - listed - {MANIFEST, SIGNATURE}):
         raise ArtifactError(f"{root}: file {extra[0]} is not in the manifest (added later?)")
     for entry in manifest.files:
-        path = root / entry.path
-        size = path.stat().st_size
+        size = regular_file_size(root, entry.path)
         if size != entry.size:
             raise ArtifactError(
-                f"{path}: size {size} bytes, the manifest says {entry.size}; the file was altered"
+                f"{root / entry.path}: size {size} bytes, the manifest says {entry.size}; "
+                "the file was altered"
             )
-        actual = sha256_file(path)
+
+
+def check_digests(root: Path, manifest: Manifest) -> None:
+    for entry in manifest.files:
+        path = root / entry.path
+        actual = sha256_regular(path, entry.size)
         if actual != entry.sha256:
             raise ArtifactError(
                 f"{path}: sha256 mismatch (expected {entry.sha256}, actual {actual}); "
@@ -74,23 +78,44 @@ def check_files(root: Path, manifest: Manifest) -> None:
             )
 
 
+def check_files(root: Path, manifest: Manifest) -> None:
+    """Every listed file present, regular, with its size and sha256; nothing else beside."""
+    check_layout(root, manifest)
+    check_digests(root, manifest)
+
+
 def verify_artifact(root: str | Path, policy: TrustPolicy) -> Manifest:
     """Everything an artifact must pass before its first tensor is read."""
     root = Path(root)
     manifest = read_manifest(root)
-    check_files(root, manifest)
+    check_layout(root, manifest)
     if policy.trusted_keys and not policy.allow_unsigned:
-        key = verify_signature(root, [Path(k) for k in policy.trusted_keys])
+        # Signature first: the digests are only worth checking once the manifest is trusted.
+        key = _verify_signature_naming_file(root, manifest, policy.trusted_keys)
         logger.info("artifact %s signed by trusted key %s", manifest.short_version, key)
     elif (root / SIGNATURE).is_file():
         logger.warning(
             "artifact %s: signature not checked (no trust policy; pass --trusted-key)",
             manifest.short_version,
         )
+    check_digests(root, manifest)
     return manifest
 
 
 def verify_signed(root: Path, keys: Sequence[Path]) -> Path:
-    """`dsinfer verify`: digests first (clear per-file errors), then the signature."""
-    check_files(root, read_manifest(root))
-    return verify_signature(root, keys)
+    """`dsinfer verify`: the layout, the signature, then the digests."""
+    manifest = read_manifest(root)
+    check_layout(root, manifest)
+    key = _verify_signature_naming_file(root, manifest, keys)
+    check_digests(root, manifest)
+    return key
+
+
+def _verify_signature_naming_file(root: Path, manifest: Manifest, keys: Sequence[Path]) -> Path:
+    """The signature check; when it fails, the digests are checked too so that the error
+    names the altered file (the signing library does not)."""
+    try:
+        return verify_signature(root, [Path(k) for k in keys])
+    except ArtifactError as sig_error:
+        check_digests(root, manifest)  # raises naming the file, if one differs
+        raise sig_error from None

@@ -13,12 +13,14 @@ start-up; pages come in from the page cache as the first forward pass touches th
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
 import torch
 
 from dsinfer.artifact.errors import ArtifactError
+from dsinfer.artifact.safe_files import open_regular
 
 _DTYPES = {
     "F32": torch.float32,
@@ -91,28 +93,79 @@ def save_weights(tensors: dict[str, torch.Tensor], root: Path) -> list[str]:
     return names
 
 
+MAX_HEADER_BYTES = 100 * 1024**2  # the safetensors format's own limit
+
+
 def mmap_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of one safetensors file, viewing a private memory map of it."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > size - 8:
-            raise ArtifactError(f"{path}: bad safetensors header length")
-        header = json.loads(f.read(header_len))
+    """Tensors of one safetensors file, viewing a private memory map of it. A malformed file
+    (header, dtype, shape or offsets that do not fit the file) is refused naming the file and
+    the tensor; the file must be regular (it was checked by verification, and is again here)."""
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ArtifactError(f"{path}: truncated safetensors file ({size} bytes)")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(size - 8, MAX_HEADER_BYTES):
+            raise ArtifactError(f"{path}: bad safetensors header length {header_len}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (ValueError, RecursionError) as e:
+            raise ArtifactError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ArtifactError(f"{path}: the safetensors header is not a JSON object")
     header.pop("__metadata__", None)
+    base = 8 + header_len
+    layout = {
+        name: _checked_entry(path, name, info, size - base)
+        for name, info in header.items()
+        if not name.startswith(PAD_PREFIX)
+    }
     storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
     raw = torch.empty(0, dtype=torch.uint8).set_(storage)  # [size] bytes
-    base = 8 + header_len
     out: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        if name.startswith(PAD_PREFIX):
-            continue
-        dtype = _DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ArtifactError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
+    for name, (dtype, shape, start, end) in layout.items():
         chunk = raw[base + start : base + end]
         if (base + start) % ALIGN:  # not written by us: copy to an aligned buffer
             chunk = chunk.clone()
-        out[name] = chunk.view(dtype).reshape(info["shape"])
+        out[name] = chunk.view(dtype).reshape(shape)
     return out
+
+
+def _checked_entry(
+    path: Path, name: str, info: object, data_bytes: int
+) -> tuple[torch.dtype, list[int], int, int]:
+    """(dtype, shape, start, end) of one header entry, or ArtifactError saying what is wrong."""
+    if not isinstance(info, dict):
+        raise ArtifactError(f"{path}: tensor {name}: header entry is not an object")
+    dtype = _DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise ArtifactError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise ArtifactError(f"{path}: tensor {name} has an invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_count(o) for o in offsets)
+        or not offsets[0] <= offsets[1] <= data_bytes
+    ):
+        raise ArtifactError(
+            f"{path}: tensor {name} has data offsets {offsets!r} outside the file's "
+            f"{data_bytes} data bytes (truncated or altered?)"
+        )
+    numel = 1
+    for d in shape:
+        numel *= d
+    start, end = offsets
+    if numel * dtype.itemsize != end - start:
+        raise ArtifactError(
+            f"{path}: tensor {name}: shape {shape} of {info['dtype']} needs "
+            f"{numel * dtype.itemsize} bytes, its offsets give {end - start}"
+        )
+    return dtype, shape, start, end
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
