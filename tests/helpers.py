@@ -71,20 +71,27 @@ def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]: 
     return gen.sequences[0, len(ids) :].tolist(), torch.stack([lg[0] for lg in gen.logits])
 
 
-def tiny_llama_dir(path, num_layers: int = 2, tied: bool = False):  # noqa: ANN001, ANN201
-    """A tiny random Llama checkpoint with a word-level tokenizer, saved by transformers."""
+def tiny_llama_dir(  # noqa: ANN201
+    path,  # noqa: ANN001
+    num_layers: int = 2,
+    tied: bool = False,
+    vocab_size: int = 320,
+    max_positions: int = 64,
+):
+    """A tiny random Llama checkpoint with a word-level tokenizer, saved by transformers. A
+    larger `vocab_size` fits a real tokenizer given to the engine instead (SmolLM2's: 49152)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.models.test_tiny_parity import _tokenizer_files
 
     cfg = LlamaConfig(
-        vocab_size=320,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tied,
     )
     LlamaForCausalLM(cfg).save_pretrained(path)
