@@ -228,6 +228,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued-requests", type=int, default=256)
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take to arrive (slower or cut short: 408)",
+    )
+    s.add_argument(
+        "--public-docs",
+        action="store_true",
+        help="serve /docs and /openapi.json without the API key (with --api-key they need it)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=int,
         default=30,

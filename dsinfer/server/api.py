@@ -203,6 +203,7 @@ def build_app(
 
     @app.get("/metrics")
     async def _metrics() -> PlainTextResponse:
+        metrics.retain_models({m.name for m in registry.served()})
         for m in registry.served():
             metrics.restarts.set_total(m.engine.restarts, m.name)
             if m.engine.engine is not None:

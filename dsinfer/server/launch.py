@@ -72,6 +72,8 @@ def serve(args: argparse.Namespace) -> int:
         admin_api_key=args.admin_api_key,
         max_queued_requests=args.max_queued_requests,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+        public_docs=args.public_docs,
     )
     app = build_app(registry, settings, build_version=version_builder(args))
 

@@ -144,6 +144,15 @@ class ServerMetrics:
         rate = s.num_accepted_draft_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0
         self.acceptance.set(rate, model)
 
+    def retain_models(self, names: set[str]) -> None:
+        """Drop the engine gauges of versions no longer served: an unloaded version's last
+        KV and queue figures would otherwise be reported forever (and summed by dashboards)."""
+        for metric in vars(self).values():
+            if isinstance(metric, Gauge) and metric.label_names == ("model",):
+                with metric._lock:
+                    for key in [k for k in metric.values if k[0] not in names]:
+                        del metric.values[key]
+
     def render(self) -> str:
         parts: list[str] = []
         for metric in vars(self).values():
