@@ -22,19 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from dsinfer.bench.stats import percentile, rss_mib
+
 ADMIN = "bench-admin"
-
-
-def percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def dsinfer(*args: str) -> subprocess.CompletedProcess:

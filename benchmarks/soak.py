@@ -8,7 +8,8 @@ Load: `--clients` (16) streaming clients in a closed loop, each request a short 
 long (~300 token) prompt at random and 48 new tokens (`ignore_eos`, so E2E measures the engine,
 not the text); 5% of streams are dropped by the client after a few chunks; 1% of requests are
 malformed (each must get a 4xx). Every `--swap-every` minutes the model is hot-swapped between
-two compiled artifacts (load → promote → unload the old) through the admin API.
+two compiled artifacts (SmolLM2 int4 with groups of 32 and of 64, unless --artifacts; load →
+promote → unload the old) through the admin API.
 
 Per minute: p50/p99 TTFT and E2E of well-formed completed requests (short and long prompts
 apart), failures, server RSS and KV blocks in use. At the end, with the load stopped: KV blocks
@@ -33,6 +34,8 @@ from pathlib import Path
 
 import httpx
 
+from dsinfer.bench.stats import percentile, rss_mib
+
 ADMIN = "soak-admin"
 SHORT = "Write one sentence about the sea."
 LONG = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(24))
@@ -55,18 +58,6 @@ class Sample:
     ttft: float | None
     e2e: float | None
     error: str | None = None
-
-
-def percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def metric(url: str, name: str) -> float:
@@ -235,9 +226,11 @@ def main() -> int:
     if args.artifacts:
         paths = list(args.artifacts)
     else:
+        # Two versions of one scheme (int4, groups of 32 and of 64): they run at about the same
+        # speed, so a window's latency spread shows the swap, not a faster or slower version.
         work = Path(tempfile.mkdtemp(prefix="dsinfer-soak-"))
-        paths = [str(work / "int8"), str(work / "int4")]
-        for path, quant in zip(paths, ("int8", "int4"), strict=True):
+        paths = [str(work / "int4-g32"), str(work / "int4-g64")]
+        for path, group in zip(paths, ("32", "64"), strict=True):
             subprocess.run(
                 [
                     sys.executable,
@@ -248,7 +241,9 @@ def main() -> int:
                     "-o",
                     path,
                     "--quant",
-                    quant,
+                    "int4",
+                    "--group-size",
+                    group,
                 ],
                 check=True,
                 capture_output=True,

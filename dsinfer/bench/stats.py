@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile, q in [0, 100]; NaN for no data."""
@@ -21,3 +23,14 @@ def summarize(values: list[float]) -> dict[str, float]:
         "p95": percentile(values, 95),
         "p99": percentile(values, 99),
     }
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size of a process (Linux /proc), MiB; NaN where it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")

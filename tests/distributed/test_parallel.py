@@ -114,7 +114,7 @@ def test_a_dead_tp_worker_fails_in_flight_requests_then_the_engine_restarts(tmp_
     from dsinfer.server.api import ServerSettings, build_app
     from dsinfer.server.async_engine import AsyncEngine
     from dsinfer.server.serving import ServedModel
-    from tests.server.conftest import running_server
+    from tests.server.conftest import running_server, wait_healthy
 
     src = tiny_llama_dir(tmp_path / "tiny", num_layers=1)
     config = EngineConfig(
@@ -148,10 +148,7 @@ def test_a_dead_tp_worker_fails_in_flight_requests_then_the_engine_restarts(tmp_
             errors = [e["error"] for e in events if "error" in e]
             assert errors and errors[0]["code"] == "engine_restarted", events[-2:]
             assert "died" in errors[0]["message"]
-            deadline = time.monotonic() + 60
-            while httpx.get(f"{url}/health").status_code != 200:
-                assert time.monotonic() < deadline, "the engine did not come back"
-                time.sleep(0.2)
+            wait_healthy(url, [], seconds=60)  # the engine came back
             assert httpx.get(f"{url}/health").json()["engines"]["tiny"]["restarts"] == 1
             r = httpx.post(
                 f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 4}, timeout=60

@@ -17,7 +17,7 @@ from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.serving import ServedModel
 from tests.helpers import tiny_llama_dir
-from tests.server.conftest import running_server
+from tests.server.conftest import running_server, wait_healthy
 
 POISON_SEED = 4242
 
@@ -133,10 +133,7 @@ def test_an_engine_fault_restarts_the_engine_and_it_serves_again(tiny_config):
         errors = [e["error"] for e in events if "error" in e]
         assert errors and errors[0]["code"] == "engine_restarted", events[-3:]
         assert "simulated device failure" in errors[0]["message"]
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{url}/health").status_code != 200:
-            assert time.monotonic() < deadline, "the engine did not come back"
-            time.sleep(0.1)
+        wait_healthy(url, [], seconds=30)  # the engine came back
         health = httpx.get(f"{url}/health").json()
         assert health["engines"]["tiny"]["restarts"] == 1
         assert "simulated device failure" in health["engines"]["tiny"]["last_fault"]
