@@ -234,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request body may take to arrive (slower or cut short: 408)",
     )
     s.add_argument(
+        "--lenient-fields",
+        action="store_true",
+        help="drop unknown request fields with a log line instead of answering 400",
+    )
+    s.add_argument(
         "--public-docs",
         action="store_true",
         help="serve /docs and /openapi.json without the API key (with --api-key they need it)",

@@ -32,6 +32,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # OpenAI semantics: token id → bias in [-100, 100] added to that token's logit before
+    # sampling (and before logprobs, so -100 shows the token as banned).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +73,12 @@ class SamplingParams:
             "presence_penalty",
             f"must be in [-2, 2], got {self.presence_penalty}",
         )
+        for tok, bias in self.logit_bias.items():
+            _check(
+                tok >= 0 and -100.0 <= bias <= 100.0,
+                "logit_bias",
+                f"needs token ids >= 0 and biases in [-100, 100], got {tok}: {bias}",
+            )
         _check(
             self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
             "seed",
@@ -91,7 +100,13 @@ class SamplingParams:
     def allows_speculation(self) -> bool:
         """Drafted tokens can be verified exactly: plain greedy, nothing that looks at tokens
         one at a time (penalties, logprobs, stop strings)."""
-        return self.greedy and not self.needs_penalties and self.logprobs is None and not self.stop
+        return (
+            self.greedy
+            and not self.needs_penalties
+            and self.logprobs is None
+            and not self.stop
+            and not self.logit_bias
+        )
 
     @property
     def needs_penalties(self) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsinfer.registry.store import ModelRegistry, RegistryError, Version
 from dsinfer.sampling import check_token_ids
@@ -37,6 +38,7 @@ class ServerSettings(BaseModel):
     max_body_bytes: int = 4 * 1024 * 1024
     body_timeout_s: float = 30.0  # a body slower than this (or cut short) answers 408
     public_docs: bool = False  # /docs and /openapi.json without the API key
+    lenient_fields: bool = False  # drop (and log) unknown request fields instead of 400
 
 
 def as_registry(models: ModelRegistry | dict[str, ServedModel]) -> ModelRegistry:
@@ -66,14 +68,29 @@ def build_app(
     app.add_middleware(ServerMiddleware, api_key=settings.api_key, public_docs=settings.public_docs)
 
     async def body_of(request: Request, schema: type[BaseModel]) -> Any:
-        return parse(
-            schema, await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
-        )
+        data = await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
+        return parse(schema, data, settings.lenient_fields)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         metrics.requests.inc(1, request.url.path, str(exc.status))
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes and methods answer in the OpenAI error shape too."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = (
+            f"no route {request.method} {request.url.path}"
+            if exc.status_code in (404, 405)
+            else str(exc.detail)
+        )
+        metrics.requests.inc(1, "unmatched", str(exc.status_code))
+        return JSONResponse(
+            APIError(exc.status_code, message, code=code).body(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -155,6 +172,19 @@ def build_app(
     @app.get("/v1/models")
     async def _models(request: Request) -> dict:
         authorize(request)
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def _model(model_id: str, request: Request) -> dict:
+        authorize(request)
+        for card in model_cards():
+            if card["id"] == model_id:
+                return card
+        raise APIError(
+            404, f"model {model_id!r} is not served", param="model", code="model_not_found"
+        )
+
+    def model_cards() -> list[dict]:
         data = []
         for entry in registry.entries.values():
             first = next(iter(entry.versions.values())).served
@@ -179,7 +209,7 @@ def build_app(
                         "root": entry.name,
                     }
                 )
-        return {"object": "list", "data": data}
+        return data
 
     @app.get("/health")
     async def _health() -> JSONResponse:
@@ -217,7 +247,7 @@ def build_app(
         served = pick(request, body.model)
         if body.messages is not None:
             try:
-                msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+                msgs = [m.for_template() for m in body.messages]
                 ids = served.tokenizer.encode_chat(msgs)
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,30 +14,59 @@ from dsinfer.server.protocol import APIError, ChatCompletionRequest
 from dsinfer.server.reasoning import ReasoningParser, split_reasoning
 from dsinfer.server.serving import (
     ChoiceState,
-    EngineStreamingResponse,
     ServedModel,
     Timing,
     chat_logprobs,
+    check_token_fields,
     chunker,
-    fan_out,
     new_id,
-    open_streams,
     stream_error,
-    until_disconnected,
     usage,
 )
+from dsinfer.server.streams import (
+    EngineStreamingResponse,
+    fan_out,
+    open_streams,
+    until_disconnected,
+)
+
+# Names the chat template is rendered with; chat_template_kwargs may not replace them.
+_RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
 def _render(served: ServedModel, body: ChatCompletionRequest) -> tuple[list[int], str]:
     """(prompt ids, prompt text) through the model's chat template."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if clash := sorted(
+        _RESERVED_TEMPLATE_ARGS & set(kwargs) | set(served.tokenizer.special_tokens) & set(kwargs)
+    ):
+        raise APIError(
+            400, f"chat_template_kwargs may not set {clash[0]!r}", param="chat_template_kwargs"
+        )
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         text = served.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt
+            messages, add_generation_prompt=body.add_generation_prompt, **kwargs
         )
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
+    if body.continue_final_message:
+        text = _open_final_turn(text, messages[-1]["content"])
     return served.tokenizer.encode(text, add_special_tokens=False), text
+
+
+def _open_final_turn(text: str, final: str) -> str:
+    """The rendered conversation cut right after the final assistant message's text, so the
+    model continues that message instead of closing it (the end-of-turn marks are dropped)."""
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise APIError(
+            400,
+            "continue_final_message: the chat template does not write the final assistant "
+            "message verbatim, so it cannot be continued",
+            param="continue_final_message",
+        )
+    return text[: at + len(final)]
 
 
 def _message(served: ServedModel, text: str, prompt_text: str) -> dict:
@@ -49,6 +79,7 @@ def _message(served: ServedModel, text: str, prompt_text: str) -> dict:
 async def chat_completion(
     served: ServedModel, body: ChatCompletionRequest, metrics: ServerMetrics, request: Request
 ) -> Any:
+    check_token_fields(served, body)
     ids, prompt_text = _render(served, body)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = (
@@ -85,7 +116,7 @@ async def _full(served, body, ids, prompt_text, streams, rid, timing) -> dict:  
     return {
         "id": rid,
         "object": "chat.completion",
-        "created": served.created,
+        "created": int(time.time()),
         "model": served.name,
         "choices": [
             {

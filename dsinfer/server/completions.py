@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,19 +13,22 @@ from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.protocol import APIError, CompletionRequest
 from dsinfer.server.serving import (
     ChoiceState,
-    EngineStreamingResponse,
-    RequestStream,
     ServedModel,
     Timing,
+    check_token_fields,
     chunker,
-    close_all,
     completion_logprobs,
-    fan_out,
     new_id,
-    open_streams,
     stream_error,
-    until_disconnected,
     usage,
+)
+from dsinfer.server.streams import (
+    EngineStreamingResponse,
+    RequestStream,
+    close_all,
+    fan_out,
+    open_streams,
+    until_disconnected,
 )
 
 
@@ -43,6 +47,7 @@ async def completion(
 ) -> Any:
     if body.suffix:
         raise APIError(400, "'suffix' is not supported", param="suffix")
+    check_token_fields(served, body)
     prompts = body.prompts()
     if body.stream and len(prompts) > 1:
         raise APIError(
@@ -128,7 +133,7 @@ async def _full(served, body, jobs, streams_of, rid, timing) -> dict:  # noqa: A
     return {
         "id": rid,
         "object": "text_completion",
-        "created": served.created,
+        "created": int(time.time()),
         "model": served.name,
         "choices": choices_out,
         "usage": usage(n_prompt, n_out, all_states),

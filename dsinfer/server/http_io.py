@@ -135,9 +135,14 @@ async def read_json(request: Request, limit: int, timeout_s: float = 30.0) -> An
     return data
 
 
-def parse(model: type[BaseModel], data: Any) -> Any:
+def parse(model: type[BaseModel], data: Any, lenient: bool = False) -> Any:
+    """Validate a body against a request model; models with `screen` first refuse (or, with
+    `lenient`, drop) fields they do not implement, naming them."""
     if not isinstance(data, dict):
         raise APIError(400, "the JSON body must be an object")
+    screen = getattr(model, "screen", None)
+    if screen is not None:
+        data = screen(data, lenient)
     try:
         return model.model_validate(data)
     except ValidationError as e:

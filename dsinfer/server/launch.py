@@ -74,6 +74,7 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
         public_docs=args.public_docs,
+        lenient_fields=args.lenient_fields,
     )
     app = build_app(registry, settings, build_version=version_builder(args))
 

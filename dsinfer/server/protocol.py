@@ -5,7 +5,7 @@ Validation errors name the offending field, so the API can answer 400 with `para
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -50,12 +50,19 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+
+
+MAX_LOGIT_BIAS = 300
 
 
 class _Common(BaseModel):
     # allow_inf_nan=False: Infinity/NaN (which Python's json reads) never reach the sampler.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # extra="forbid" backs up request_fields.screen_fields, which names what is refused and why.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    CHAT: ClassVar[bool] = False
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=0)
@@ -74,6 +81,36 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     user: str | None = Field(default=None, max_length=512)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def screen(cls, data: dict[str, Any], lenient: bool) -> dict[str, Any]:
+        from dsinfer.server.request_fields import screen_fields
+
+        return screen_fields(data, set(cls.model_fields), cls.CHAT, lenient)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        return -1 if v == 0 else v  # vLLM: 0 means off, like -1
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} token biases are allowed")
+        for key, bias in v.items():
+            if not key.isdigit() or len(key) > 9:
+                raise ValueError(f"keys are token ids (decimal strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases are in [-100, 100], got {bias} for token {key}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -93,6 +130,17 @@ class _Common(BaseModel):
                 f"seed {self.seed} with n={self.n} derives seeds up to {self.seed + self.n - 1}, "
                 f"past the int64 limit {SEED_MAX}; use a smaller seed"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _Common:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of={self.best_of} with n={self.n}: only best_of equal to n is supported "
+                "(no server-side ranking of extra samples); send n alone"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
         return self
 
     def num_generations(self) -> int:
@@ -115,6 +163,10 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty,
             seed=self.seed,
             stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -134,6 +186,15 @@ class ChatMessage(BaseModel):
             raise ValueError(f"unknown role {v!r}; expected one of {', '.join(ROLES)}")
         return v
 
+    def for_template(self) -> dict[str, Any]:
+        """The turn as a chat template reads it: text content, the `developer` role as
+        `system` (OpenAI's newer name for it), and the turn's other fields (name, tool_calls,
+        tool_call_id, ...) passed through for templates that render them."""
+        msg = dict(self.model_extra or {})
+        msg["role"] = "system" if self.role == "developer" else self.role
+        msg["content"] = self.text()
+        return msg
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -151,11 +212,29 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    CHAT: ClassVar[bool] = True
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_consistent(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message needs add_generation_prompt: false (the final "
+                    "assistant message is continued, not answered)"
+                )
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs a final assistant message")
+        return self
 
 
 class CompletionRequest(_Common):
@@ -190,6 +269,8 @@ class CompletionRequest(_Common):
 
 
 class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -197,5 +278,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     model: str | None = None
     tokens: list[int]

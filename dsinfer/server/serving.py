@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import StreamingResponse
-
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.sampling import SamplingParams
+from dsinfer.sampling import check_token_ids
 from dsinfer.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineRestartingError,
     RequestFailedError,
-    RequestStream,
 )
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.protocol import APIError
@@ -108,82 +103,6 @@ class Timing:
         self.metrics.e2e.observe(time.perf_counter() - self.start, self.model)
 
 
-def open_streams(
-    served: ServedModel, prompt_ids: list[int], params: list[SamplingParams], rid: str
-) -> list[RequestStream]:
-    """Submit one engine request per sample now (so admission counts them and they batch)."""
-    streams: list[RequestStream] = []
-    try:
-        for i, p in enumerate(params):
-            streams.append(
-                served.engine.submit(prompt_ids, p, rid if len(params) == 1 else f"{rid}-{i}")
-            )
-    except BaseException:
-        close_all(streams)
-        raise
-    return streams
-
-
-def close_all(streams: Sequence[RequestStream]) -> None:
-    for s in streams:
-        s.close()
-
-
-async def fan_out(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Merge the samples' streams; yield (choice index, delta output) as they arrive. Closing
-    (or abandoning) the iterator aborts what has not finished."""
-    try:
-        if len(streams) == 1:
-            async for out in streams[0]:
-                yield 0, out
-            return
-        q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-        async def pump(i: int, stream: RequestStream) -> None:
-            try:
-                async for out in stream:
-                    await q.put((i, out))
-            except BaseException as e:  # surfaced to the consumer below
-                await q.put((i, e))
-            finally:
-                await q.put((i, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            live = len(tasks)
-            while live:
-                i, item = await q.get()
-                if item is None:
-                    live -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    finally:
-        close_all(streams)
-
-
-class EngineStreamingResponse(StreamingResponse):
-    """A streamed answer that aborts its engine requests however the response ends — also
-    when the client left before the body started, which never runs the body's own cleanup."""
-
-    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
-        super().__init__(
-            content, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"}
-        )
-        self.streams = streams
-
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            close_all(self.streams)
-
-
 def usage(n_prompt: int, n_out: int, choices: Sequence[ChoiceState] = ()) -> dict:
     """OpenAI usage; with speculative decoding, the drafts the model verified appear as
     completion_tokens_details accepted/rejected_prediction_tokens (OpenAI's names for
@@ -200,13 +119,15 @@ def usage(n_prompt: int, n_out: int, choices: Sequence[ChoiceState] = ()) -> dic
 
 
 def chunker(kind: str, served: ServedModel, rid: str, include_usage: bool):  # noqa: ANN201
-    """SSE chunk writer for one streamed response (`kind`: the OpenAI `object` value)."""
+    """SSE chunk writer for one streamed response (`kind`: the OpenAI `object` value); every
+    chunk carries the request's creation time, as OpenAI's do."""
+    created = int(time.time())
 
     def chunk(choices: list[dict], usage_: dict | None = None) -> str:
         obj = {
             "id": rid,
             "object": kind,
-            "created": served.created,
+            "created": created,
             "model": served.name,
             "choices": choices,
         }
@@ -247,6 +168,19 @@ def completion_logprobs(
         lps.append(None if e is None else e.logprob)
         tops.append(None if e is None else {token_text(tok, t): v for t, v in e.top})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def check_token_fields(served: ServedModel, body: Any) -> None:
+    """Token ids in logit_bias and stop_token_ids must be in the model's vocabulary."""
+    vocab = served.tokenizer.vocab_size
+    for name, ids in (
+        ("logit_bias", [int(k) for k in body.logit_bias or {}]),
+        ("stop_token_ids", body.stop_token_ids or []),
+    ):
+        try:
+            check_token_ids(ids, vocab)
+        except ValueError as e:
+            raise APIError(400, f"{name}: {e}", param=name) from None
 
 
 def as_api_error(exc: BaseException) -> BaseException:
@@ -292,22 +226,3 @@ def sse(obj: dict) -> str:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-async def until_disconnected(
-    request: Request, coro: Awaitable[Any], streams: Sequence[RequestStream] = ()
-) -> Any:
-    """Await `coro`, cancelling it and aborting its engine requests if the client goes away."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
-        close_all(streams)

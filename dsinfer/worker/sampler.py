@@ -50,6 +50,17 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplerState]) -> torch.T
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+    """Add each request's logit_bias to its row (ids past the vocabulary are refused earlier)."""
+    for i, st in enumerate(states):
+        bias = st.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+            vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, vals)
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p on one row [V]; removed tokens become -inf."""
     x = logits / params.temperature
@@ -84,6 +95,8 @@ class Sampler:
         self, logits: torch.Tensor, states: list[SamplerState]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: fp32 [B, V] → one token per row, plus logprobs where asked."""
+        if any(st.params.logit_bias for st in states):
+            logits = apply_logit_bias(logits.clone(), states)
         want_lp = [st.params.logprobs is not None for st in states]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         if any(st.params.needs_penalties for st in states):

@@ -73,6 +73,26 @@ def client(base_url):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="package")
+def tiny_smol(tmp_path_factory) -> Iterator[ServedModel]:
+    """A tiny random Llama behind SmolLM2's real tokenizer and chat template: every request
+    runs end to end (tokenizer, template, scheduler, sampler) in milliseconds."""
+    from tests.helpers import tiny_llama_dir
+
+    src = tiny_llama_dir(
+        tmp_path_factory.mktemp("tiny-smol"), num_layers=1, vocab_size=49152, max_positions=256
+    )
+    config = EngineConfig(
+        model=str(src),
+        tokenizer="smollm2",
+        cache=CacheConfig(num_blocks=128, block_size=8),
+        scheduler=SchedulerConfig(max_num_seqs=16),
+    )
+    runner = AsyncEngine(lambda: LLMEngine(config))
+    yield ServedModel("tiny", runner, runner.engine.tokenizer, runner.engine.max_model_len)
+    runner.shutdown()
+
+
 def wait_idle(served: ServedModel, timeout: float = 10.0) -> None:
     """Wait until the engine has no request and its pool holds no block."""
     eng = served.engine.engine

@@ -20,12 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig
-from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.server.api import ServerSettings, build_app
-from dsinfer.server.async_engine import AsyncEngine
 from dsinfer.server.serving import ServedModel
-from tests.helpers import tiny_llama_dir
 from tests.server.conftest import running_server, wait_idle
 
 KEY = "fuzz-key"
@@ -122,22 +118,10 @@ requests = st.one_of(
 
 # -- the server ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def fuzz_server(tmp_path_factory) -> Iterator[tuple[str, ServedModel]]:
-    src = tiny_llama_dir(
-        tmp_path_factory.mktemp("fuzz-model"), num_layers=1, vocab_size=49152, max_positions=256
-    )
-    config = EngineConfig(
-        model=str(src),
-        tokenizer="smollm2",
-        cache=CacheConfig(num_blocks=128, block_size=8),
-        scheduler=SchedulerConfig(max_num_seqs=16),
-    )
-    runner = AsyncEngine(lambda: LLMEngine(config))
-    served = ServedModel("tiny", runner, runner.engine.tokenizer, runner.engine.max_model_len)
-    app = build_app({"tiny": served}, ServerSettings(api_key=KEY, max_queued_requests=64))
+def fuzz_server(tiny_smol) -> Iterator[tuple[str, ServedModel]]:
+    app = build_app({"tiny": tiny_smol}, ServerSettings(api_key=KEY, max_queued_requests=64))
     with running_server(app) as url:
-        yield url, served
-    runner.shutdown()
+        yield url, tiny_smol
 
 
 def _send(url: str, path: str, body: object) -> None:
