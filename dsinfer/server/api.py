@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsinfer.registry.store import ModelRegistry, RegistryError, Version
 from dsinfer.sampling import check_token_ids
+from dsinfer.server import openapi
 from dsinfer.server.admin import admin_router
 from dsinfer.server.chat import chat_completion
 from dsinfer.server.completions import completion
@@ -161,11 +162,11 @@ def build_app(
             metrics.requests.inc(1, request.url.path, "200")
         return result
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi.body_of(ChatCompletionRequest))
     async def _chat(request: Request) -> Any:
         return await handle(request, ChatCompletionRequest, chat_completion)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi.body_of(CompletionRequest))
     async def _completions(request: Request) -> Any:
         return await handle(request, CompletionRequest, completion)
 
@@ -240,7 +241,7 @@ def build_app(
                 metrics.update_engine(m.name, m.engine.engine)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi.body_of(TokenizeRequest))
     async def _tokenize(request: Request) -> dict:
         authorize(request)
         body = await body_of(request, TokenizeRequest)
@@ -257,7 +258,7 @@ def build_app(
             raise APIError(400, "send 'prompt' or 'messages'", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi.body_of(DetokenizeRequest))
     async def _detokenize(request: Request) -> dict:
         authorize(request)
         body = await body_of(request, DetokenizeRequest)
@@ -269,4 +270,7 @@ def build_app(
         return {"prompt": served.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     app.include_router(admin_router(registry, settings, build_version))
+    openapi.install(
+        app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+    )
     return app

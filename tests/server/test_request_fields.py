@@ -200,3 +200,13 @@ def test_unknown_routes_and_model_cards(url):
     assert card["id"] == "tiny" and card["object"] == "model"
     err = _err(httpx.get(f"{url}/v1/models/nope"), 404)
     assert err["code"] == "model_not_found"
+
+
+def test_openapi_shows_the_real_request_schemas(url):
+    doc = httpx.get(f"{url}/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"messages", "logit_bias", "stop_token_ids", "continue_final_message"} <= set(chat)
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"] == "#/components/schemas/CompletionRequest"
+    assert "ChatMessage" in schemas  # nested models are components too
