@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -52,6 +52,13 @@ def as_registry(models: ModelRegistry | dict[str, ServedModel]) -> ModelRegistry
     return registry
 
 
+def route_of(request: Request) -> str:
+    """The matched route's template (`/admin/models/{name}/promote`), never the raw path: a
+    client must not be able to create metric series at will."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
 def build_app(
     models: ModelRegistry | dict[str, ServedModel],
     settings: ServerSettings,
@@ -74,7 +81,7 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        metrics.requests.inc(1, request.url.path, str(exc.status))
+        metrics.requests.inc(1, route_of(request), str(exc.status))
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -96,7 +103,7 @@ def build_app(
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error on %s", request.url.path)
-        metrics.requests.inc(1, request.url.path, "500")
+        metrics.requests.inc(1, route_of(request), "500")
         return JSONResponse(
             APIError(500, f"internal error: {exc}", "server_error").body(), status_code=500
         )
@@ -158,8 +165,7 @@ def build_app(
             result = await run(served, body, metrics, request)
         except Exception as e:  # refused by the engine, failed alone, or the engine stopped
             raise as_api_error(e) from e
-        if not isinstance(result, StreamingResponse):
-            metrics.requests.inc(1, request.url.path, "200")
+        metrics.requests.inc(1, route_of(request), "200")  # streamed ones too (status sent: 200)
         return result
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.body_of(ChatCompletionRequest))

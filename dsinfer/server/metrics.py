@@ -26,10 +26,16 @@ LATENCY_BUCKETS = (
 )
 
 
+def _escape(value: str) -> str:
+    """Label values as the exposition format wants them: a quote or newline in a value would
+    otherwise make the whole page unparseable."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
     if not names:
         return ""
-    inner = ",".join(f'{n}="{v}"' for n, v in zip(names, values, strict=True))
+    inner = ",".join(f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True))
     return "{" + inner + "}"
 
 
