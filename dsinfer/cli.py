@@ -13,6 +13,13 @@ from dsinfer.distributed.parallel_state import check_grid
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--device", default="cpu", help="cpu | cuda | npu | auto")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "reference", "fused"],
+        help="kernels: fused (CPU fast path), reference (eager torch, the exactness oracle), "
+        "auto (fused where it runs)",
+    )
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV pool budget, e.g. 512MiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="override the budget")
     p.add_argument("--block-size", type=int, default=16)
@@ -105,6 +112,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         model=model,
         dtype=args.dtype,
         device=args.device,
+        backend=args.backend,
         seed=args.seed,
         tokenizer=args.tokenizer,
         random_weights=args.random_weights,

@@ -119,6 +119,8 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     device: str = "cpu"
+    # Kernel backend: auto (fused where it runs, else reference) | reference | fused.
+    backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0

@@ -63,7 +63,9 @@ class LLMEngine:
             loaded = self.executor.loaded
         else:
             loaded = load_for_config(config)
-            self.executor = UniprocExecutor(loaded, config.cache, device, config.seed, config.mtp)
+            self.executor = UniprocExecutor(
+                loaded, config.cache, device, config.seed, config.mtp, config.backend
+            )
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.version = loaded.version  # an artifact's short version hash, else None

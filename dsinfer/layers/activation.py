@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
+
+from dsinfer.layers.kernels import REFERENCE, Kernels
+
+SUPPORTED = ("silu",)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2*I] laid out as [gate | up] → silu(gate) * up: [T, I]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return REFERENCE.silu_and_mul(x)
 
 
-ACTIVATIONS = {"silu": silu_and_mul}
-
-
-def get_gated_activation(name: str):  # noqa: ANN201
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
+def get_gated_activation(
+    name: str, kernels: Kernels = REFERENCE
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in SUPPORTED:
+        raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(SUPPORTED)}")
+    return kernels.silu_and_mul

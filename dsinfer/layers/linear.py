@@ -15,6 +15,7 @@ from torch import nn
 
 from dsinfer.distributed.comm import all_reduce
 from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.layers.kernels import Kernels
 
 
 class LinearMethod:
@@ -22,6 +23,9 @@ class LinearMethod:
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         raise NotImplementedError
+
+    def use_kernels(self, kernels_name: str, device_type: str) -> None:
+        """Pick kernels for the engine's backend (after loading); the default has one."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -100,6 +104,9 @@ class Linear(nn.Module):
         for p in self.parameters(recurse=False):
             p.weight_loader = self._load  # type: ignore[attr-defined]
             p.shards = list(self.shards)  # type: ignore[attr-defined]  # what the loader expects
+
+    def use_kernels(self, kernels: Kernels, device_type: str) -> None:
+        self.method.use_kernels(kernels.name, device_type)
 
     def set_method(self, method: LinearMethod) -> None:
         """Swap the weight format (artifact load, compile): drops the old weight tensors."""

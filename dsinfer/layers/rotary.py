@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -67,6 +68,20 @@ def _yarn_inverse_frequencies(dim: int, rope: RopeConfig) -> torch.Tensor:
     return (1.0 / (rope.factor * pos)) * (1 - extrapolate) + (1.0 / pos) * extrapolate
 
 
+@dataclass(frozen=True, slots=True)
+class StepRope:
+    """Rotary tables for one step, computed once and shared by every layer.
+
+    `cos`/`sin` are the rows of this step's positions in the activation dtype ([T, 1, D], what
+    the reference applies); `table_cos`/`table_sin` are the whole fp32 tables ([P, D]) for
+    kernels that rotate inside attention and index them by position themselves."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    table_cos: torch.Tensor
+    table_sin: torch.Tensor
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig) -> None:
         super().__init__()
@@ -79,13 +94,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
         self.head_dim = head_dim
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for one step, computed once and shared by every layer: [T, 1, D] each."""
-        return (
-            self.cos[positions].unsqueeze(1).to(dtype),
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        """Tables for one step, computed once and shared by every layer."""
+        return StepRope(
+            self.cos[positions].unsqueeze(1).to(dtype),  # [T, 1, D]
             self.sin[positions].unsqueeze(1).to(dtype),
+            self.cos,
+            self.sin,
         )
 
 

@@ -16,12 +16,12 @@ from torch import nn
 
 from dsinfer.config import ModelConfig
 from dsinfer.distributed.parallel_state import get_tp
-from dsinfer.layers.attention import AttentionMetadata
-from dsinfer.layers.attention.mla import MLAPagedAttention
+from dsinfer.layers.attention import AttentionMetadata, make_attention
+from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.moe import DeepseekMoE, MoEConfig
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import RotaryEmbedding, apply_rotary, yarn_mscale
+from dsinfer.layers.rotary import RotaryEmbedding, StepRope, apply_rotary, yarn_mscale
 from dsinfer.models.deepseek_mtp import build_mtp_layer, map_mtp_name, mtp_forward
 from dsinfer.models.llama import (
     LlamaForCausalLM,
@@ -32,7 +32,7 @@ from dsinfer.models.llama import (
 )
 
 logger = logging.getLogger(__name__)
-Rope = tuple[torch.Tensor, torch.Tensor]
+Rope = StepRope
 _EXPERT = re.compile(
     r"^((?:model\.layers\.\d+|mtp)\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
 )
@@ -76,7 +76,18 @@ class MLA(nn.Module):
         scale = qk**-0.5
         if cfg.rope.kind == "yarn" and cfg.rope.mscale_all_dim:
             scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
-        self.attn = MLAPagedAttention(self.h, self.nope, self.rope_dim, self.v, self.lora, scale)
+        self.attn = make_attention(
+            "mla",
+            num_heads=self.h,
+            nope=self.nope,
+            rope=self.rope_dim,
+            v_dim=self.v,
+            lora=self.lora,
+            scale=scale,
+        )
+
+    def use_kernels(self, kernels: Kernels, device_type: str) -> None:
+        self.attn = self.attn.rebuilt(kernels.name, device_type)
 
     def forward(
         self, x: torch.Tensor, rope: Rope, cache: tuple[torch.Tensor, ...], meta: AttentionMetadata
@@ -91,8 +102,8 @@ class MLA(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)  # [T, lora + rope]
         c, k_pe = kv.split([self.lora, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)[0]
-        q_pe = apply_rotary(_deinterleave(q_pe), *rope)  # [T, H, rope]
-        k_pe = apply_rotary(_deinterleave(k_pe).unsqueeze(1), *rope).squeeze(1)  # [T, rope]
+        q_pe = apply_rotary(_deinterleave(q_pe), rope.cos, rope.sin)  # [T, H, rope]
+        k_pe = apply_rotary(_deinterleave(k_pe).unsqueeze(1), rope.cos, rope.sin).squeeze(1)  # [T, rope]
         latent = torch.cat([c, k_pe], dim=-1)  # [T, lora + rope]: all the cache keeps
         o = self.attn.forward(q_nope, q_pe, latent, cache[0], self.kv_b_proj.weight, meta)
         return self.o_proj(o.reshape(t, self.h * self.v))

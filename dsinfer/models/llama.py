@@ -14,14 +14,15 @@ from dsinfer.config import ModelConfig
 from dsinfer.distributed.parallel_state import get_tp
 from dsinfer.distributed.pipeline import pipeline_forward
 from dsinfer.layers.activation import get_gated_activation
-from dsinfer.layers.attention import AttentionMetadata, TorchPagedAttention
+from dsinfer.layers.attention import AttentionMetadata, make_attention
 from dsinfer.layers.embedding import LMHead, VocabEmbedding
+from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import RotaryEmbedding, apply_rotary
+from dsinfer.layers.rotary import RotaryEmbedding, StepRope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, D]
+Rope = StepRope
 
 
 class LlamaAttention(nn.Module):
@@ -45,20 +46,18 @@ class LlamaAttention(nn.Module):
             parallel="column",
         )
         self.o_proj = Linear(h * d, cfg.hidden_size, bias=cfg.o_bias, parallel="row")
-        self.attn = TorchPagedAttention(self.h, self.kv, self.d, self.d**-0.5)
+        self.attn = make_attention(
+            "mha", num_heads=self.h, num_kv_heads=self.kv, head_dim=self.d, scale=self.d**-0.5
+        )
+
+    def use_kernels(self, kernels: Kernels, device_type: str) -> None:
+        self.attn = self.attn.rebuilt(kernels.name, device_type)
 
     def forward(
         self, x: torch.Tensor, rope: Rope, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2KV) * D]
-        qk_width = (self.h + self.kv) * self.d
-        # Rotate q and k heads together: one set of rotary ops per layer instead of two.
-        qk = apply_rotary(qkv[:, :qk_width].view(t, self.h + self.kv, self.d), *rope)
-        q, k = qk.split([self.h, self.kv], dim=1)  # [T, H, D], [T, KV, D]
-        v = qkv[:, qk_width:].view(t, self.kv, self.d)
-        o = self.attn.forward(q, k, v, cache, meta)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.h * self.d))
+        return self.o_proj(self.attn.forward_qkv(qkv, rope, cache, meta))  # [T, H * D] in
 
 
 class LlamaMLP(nn.Module):
@@ -69,7 +68,11 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, [i, i], shard_names=("gate", "up"), parallel="column"
         )
         self.down_proj = Linear(i, cfg.hidden_size, parallel="row")
+        self.act_name = cfg.hidden_act
         self.act = get_gated_activation(cfg.hidden_act)
+
+    def use_kernels(self, kernels: Kernels, device_type: str) -> None:
+        self.act = get_gated_activation(self.act_name, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -18,8 +18,9 @@ class UniprocExecutor:
         device: torch.device,
         seed: int = 0,
         speculative: bool = True,
+        backend: str = "reference",
     ) -> None:
-        self.runner = ModelRunner(loaded, cache, device, seed, speculative)
+        self.runner = ModelRunner(loaded, cache, device, seed, speculative, backend=backend)
 
     @property
     def num_blocks(self) -> int:

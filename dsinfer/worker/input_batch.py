@@ -47,12 +47,12 @@ def build_model_input(
         else:
             bt = torch.tensor(table, dtype=torch.int64, device=device)
             prefills.append(PrefillSeq(q_start, n, end, bt))
-    decode_bt = decode_mask = None
+    decode_bt = decode_mask = lens = None
     if decode_tables:
         nb = max(len(t) for t in decode_tables)
         padded = [t + [0] * (nb - len(t)) for t in decode_tables]
         decode_bt = torch.tensor(padded, dtype=torch.int64, device=device)  # [B, NBmax]
-        lens = torch.tensor(decode_lens, device=device)
+        lens = torch.tensor(decode_lens, dtype=torch.int64, device=device)
         mask = torch.arange(nb * block_size, device=device).unsqueeze(0) >= lens.unsqueeze(1)
         decode_mask = mask.view(len(decode_tables), 1, 1, nb * block_size)  # over [B, KV, G, L]
     meta = AttentionMetadata(
@@ -62,6 +62,7 @@ def build_model_input(
         decode_block_tables=decode_bt,
         decode_mask=decode_mask,
         prefills=tuple(prefills),
+        decode_seq_lens=lens,
     )
     return ModelInput(
         seqs=ordered,

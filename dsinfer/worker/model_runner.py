@@ -12,6 +12,7 @@ import torch
 
 from dsinfer.config import CacheConfig
 from dsinfer.distributed.comm import share_with_stage
+from dsinfer.layers.backend import apply_backend
 from dsinfer.models.loader import LoadedModel
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.kv_cache import allocate_kv_cache
@@ -31,9 +32,11 @@ class ModelRunner:
         seed: int = 0,
         speculative: bool = True,
         driver: bool = True,
+        backend: str = "reference",
     ) -> None:
         self.driver = driver  # tensor-parallel workers run the forward pass only
         self.model = loaded.model
+        self.backend = apply_backend(self.model, backend, device).name
         self.config = loaded.config
         self.dtype = loaded.dtype
         self.device = device

@@ -83,7 +83,9 @@ def _join(rank: int, config: Any, port: int, device: torch.device) -> torch.devi
 def _worker(rank: int, port: int, config: Any, load: Callable, device: str) -> None:
     dev = _join(rank, config, port, torch.device(device))
     loaded = load(config)
-    runner = ModelRunner(loaded, config.cache, dev, config.seed, config.mtp, driver=False)
+    runner = ModelRunner(
+        loaded, config.cache, dev, config.seed, config.mtp, driver=False, backend=config.backend
+    )
     while True:
         out = broadcast_object(None)
         if out is None:
@@ -144,7 +146,9 @@ class MultiprocExecutor:
         try:
             dev = _join(0, config, port, device)
             self.loaded = load(config)
-            self.runner = ModelRunner(self.loaded, config.cache, dev, config.seed, config.mtp)
+            self.runner = ModelRunner(
+                self.loaded, config.cache, dev, config.seed, config.mtp, backend=config.backend
+            )
         except BaseException:
             for p in self.procs:
                 p.kill()

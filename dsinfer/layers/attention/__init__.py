@@ -1,6 +1,27 @@
-"""Attention over the paged KV cache: metadata shared by all layers, and backends."""
+"""Attention over the paged KV cache: metadata shared by all layers, and backends.
 
-from dsinfer.layers.attention.backend import AttentionBackend, AttentionMetadata, PrefillSeq
+Importing this package registers every backend (reference MHA and MLA, fused CPU MHA)."""
+
+from dsinfer.layers.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    MHABackend,
+    PrefillSeq,
+)
+from dsinfer.layers.attention.fused_cpu import FusedCpuPagedAttention
+from dsinfer.layers.attention.mla import MLAPagedAttention
+from dsinfer.layers.attention.registry import attention_class, implemented, make_attention
 from dsinfer.layers.attention.torch_paged import TorchPagedAttention
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "PrefillSeq", "TorchPagedAttention"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "FusedCpuPagedAttention",
+    "MHABackend",
+    "MLAPagedAttention",
+    "PrefillSeq",
+    "TorchPagedAttention",
+    "attention_class",
+    "implemented",
+    "make_attention",
+]

@@ -8,7 +8,9 @@ Heads sit outside the token axis inside a block so that a gathered block is alre
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,9 +39,69 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [B, NBmax] int64, padded with block 0
     decode_mask: torch.Tensor | None  # [B, 1, 1, NBmax * block_size] bool, True = padding
     prefills: tuple[PrefillSeq, ...]
+    decode_seq_lens: torch.Tensor | None = None  # [B] int64: tokens cached after this step
+
+    def without_decodes(self) -> AttentionMetadata:
+        """The same step less its decode rows (rows renumbered from 0): for a backend that
+        runs the decodes itself and hands the prefill chunks to another."""
+        nd = self.num_decode
+        return dataclasses.replace(
+            self,
+            slot_blocks=self.slot_blocks[nd:],
+            slot_offsets=self.slot_offsets[nd:],
+            num_decode=0,
+            decode_block_tables=None,
+            decode_mask=None,
+            decode_seq_lens=None,
+            prefills=tuple(dataclasses.replace(p, q_start=p.q_start - nd) for p in self.prefills),
+        )
 
 
 class AttentionBackend(abc.ABC):
+    """One attention kind on one device, built from the shape a model asks for.
+
+    Backends are registered by (backend name, device type, kind) in registry.py; a model asks
+    for a kind and the selected backend (`rebuilt`) replaces the reference after loading."""
+
+    kind: ClassVar[str]
+    backend: ClassVar[str] = "reference"
+
+    def __init__(self, **shape: Any) -> None:
+        self.shape = shape
+
+    def rebuilt(self, backend: str, device_type: str) -> AttentionBackend:
+        """This attention's shape on another backend (itself when that backend has no
+        implementation of its kind for the device)."""
+        from dsinfer.layers.attention.registry import attention_class
+
+        cls = attention_class(backend, device_type, self.kind)
+        return self if cls is type(self) else cls(**self.shape)
+
+
+class MHABackend(AttentionBackend):
+    kind = "mha"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale
+        )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abc.abstractmethod
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        rope: Any,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """qkv [T, (H + 2KV)·D] before rotary, rope: the step's StepRope → [T, H·D]; writes
+        this step's keys and values into the cache."""
+
     @abc.abstractmethod
     def forward(
         self,

@@ -14,11 +14,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsinfer.layers.attention.backend import AttentionMetadata
+from dsinfer.layers.attention.backend import AttentionBackend, AttentionMetadata
+from dsinfer.layers.attention.registry import register_attention
 
 
-class MLAPagedAttention:
+@register_attention("reference", "any", "mla")
+class MLAPagedAttention(AttentionBackend):
+    kind = "mla"
+
     def __init__(self, num_heads: int, nope: int, rope: int, v_dim: int, lora: int, scale: float):
+        super().__init__(
+            num_heads=num_heads, nope=nope, rope=rope, v_dim=v_dim, lora=lora, scale=scale
+        )
         self.h, self.nope, self.rope, self.v, self.lora = num_heads, nope, rope, v_dim, lora
         self.scale = scale
         self.absorb_decode = True

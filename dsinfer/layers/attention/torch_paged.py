@@ -11,16 +11,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsinfer.layers.attention.backend import AttentionBackend, AttentionMetadata
+from dsinfer.layers.attention.backend import AttentionMetadata, MHABackend
+from dsinfer.layers.attention.registry import register_attention
+from dsinfer.layers.rotary import StepRope, apply_rotary
 
 
-class TorchPagedAttention(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.group = num_heads // num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
+@register_attention("reference", "any", "mha")
+class TorchPagedAttention(MHABackend):
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        rope: StepRope,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t, h, kv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk_width = (h + kv) * d
+        # Rotate q and k heads together: one set of rotary ops per layer instead of two.
+        qk = apply_rotary(qkv[:, :qk_width].view(t, h + kv, d), rope.cos, rope.sin)
+        q, k = qk.split([h, kv], dim=1)  # [T, H, D], [T, KV, D]
+        v = qkv[:, qk_width:].view(t, kv, d)
+        return self.forward(q, k, v, kv_cache, meta).reshape(t, h * d)
 
     def forward(
         self,

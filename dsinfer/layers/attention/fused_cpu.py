@@ -1,0 +1,56 @@
+"""Fused paged attention on CPU: the decode rows of a step in one C++ kernel per layer.
+
+For each decode row the kernel rotates q and k (fp32, from the whole rotary table), writes k and
+v into the paged cache and attends over the sequence's cached tokens through its block table:
+no gathered copies, no masks, no dtype round trips. Prefill chunks (many queries per sequence)
+run on the reference backend, whose SDPA path is already one kernel per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.layers.attention.backend import AttentionMetadata
+from dsinfer.layers.attention.registry import register_attention
+from dsinfer.layers.attention.torch_paged import TorchPagedAttention
+from dsinfer.layers.rotary import StepRope
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@register_attention("fused", "cpu", "mha")
+class FusedCpuPagedAttention(TorchPagedAttention):
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        rope: StepRope,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        nd = meta.num_decode
+        k_cache, v_cache = kv_cache
+        if (
+            nd == 0
+            or meta.decode_seq_lens is None
+            or qkv.dtype not in _KERNEL_DTYPES
+            or k_cache.dtype != qkv.dtype
+            or rope.table_cos.dtype != torch.float32
+        ):
+            return super().forward_qkv(qkv, rope, kv_cache, meta)
+        decoded = torch.ops.dsinfer.rope_decode_attention(
+            qkv[:nd].contiguous(),  # [B, (H + 2KV)·D]: rows of a contiguous batch, no copy
+            rope.table_cos,
+            rope.table_sin,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            self.num_heads,
+            self.num_kv_heads,
+            self.scale,
+        )  # [B, H·D]
+        if nd == qkv.shape[0]:
+            return decoded
+        rest_rope = StepRope(rope.cos[nd:], rope.sin[nd:], rope.table_cos, rope.table_sin)
+        rest = super().forward_qkv(qkv[nd:], rest_rope, kv_cache, meta.without_decodes())
+        return torch.cat([decoded, rest])

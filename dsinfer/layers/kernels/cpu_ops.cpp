@@ -1,0 +1,373 @@
+// Fused CPU kernels for the decode step (registered as torch.ops.dsinfer.*).
+//
+// Why C++: a decode step of a small model is dominated by the per-op cost of ~70 small torch
+// ops per layer (casts, copies, views). Each kernel below replaces a run of them with one loop
+// nest that reads its inputs once, keeps intermediates in fp32 registers, and rounds once to
+// the activation dtype. Activations may be float32 or bfloat16; statistics, softmax and
+// accumulations are always fp32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float f32(T v) {
+  return static_cast<float>(v);
+}
+
+// out = weight * round(x * rsqrt(mean(x^2) + eps)), as the reference RMSNorm computes it:
+// statistics in fp32, the normalised row rounded to the activation dtype before the weight.
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += f32(x[i]) * f32(x[i]);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(f32(static_cast<T>(f32(x[i]) * inv)) * f32(w[i]));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "expected contiguous [rows, hidden] activations");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "norm weight must be [hidden] in the activation dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  auto out = at::empty_like(x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const auto* xp = x.data_ptr<scalar_t>();
+    const auto* wp = weight.data_ptr<scalar_t>();
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) rms_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// (norm(x + residual), x + residual): the residual add rounds to the activation dtype first,
+// as `x + residual` does in the reference.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "residual must match the activations");
+  auto out = at::empty_like(x);
+  auto sum = at::empty_like(x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    const auto* xp = x.data_ptr<scalar_t>();
+    const auto* rp = residual.data_ptr<scalar_t>();
+    const auto* wp = weight.data_ptr<scalar_t>();
+    auto* op = out.data_ptr<scalar_t>();
+    auto* sp = sum.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        for (int64_t i = 0; i < n; ++i) sp[r * n + i] = static_cast<scalar_t>(f32(xp[r * n + i]) + f32(rp[r * n + i]));
+        rms_row(sp + r * n, wp, op + r * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, sum};
+}
+
+// x: [rows, 2I] laid out [gate | up] -> silu(gate) * up: [rows, I].
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "expected [rows, 2I]");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  auto out = at::empty({rows, inter}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_mul", [&] {
+    const auto* xp = x.data_ptr<scalar_t>();
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* g = xp + r * 2 * inter;
+        const scalar_t* u = g + inter;
+        scalar_t* o = op + r * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float gv = f32(g[i]);
+          o[i] = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)) * f32(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Dot product and axpy over one head, vectorised (the loop count is the head dim).
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += q[i] * f32(k[i]);
+  return s;
+}
+
+template <typename T>
+inline void axpy(float p, const T* v, float* acc, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * f32(v[i]);
+}
+
+// NeoX rotary on one head: [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin].
+template <typename T>
+inline void rotate(const T* x, const float* cos, const float* sin, float* out, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = f32(x[i]), b = f32(x[i + half]);
+    out[i] = a * cos[i] - b * sin[i];
+    out[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// One decode token per sequence: rotate q and k at position seq_len - 1, write k and v into the
+// paged cache, attend over the sequence's seq_len cached tokens. One task per (sequence, KV
+// head) serves its G query heads together, so each cached key and value is read once.
+//   qkv [B, (H + 2 KV) D]; cos/sin [max_pos, D] fp32; caches [blocks, KV, block_size, D];
+//   block_tables [B, >= ceil(seq_len / block_size)] int64; seq_lens [B] int64 -> [B, H D].
+at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                 int64_t num_heads, int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be contiguous [B, (H+2KV)D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [blocks, KV, block_size, D]");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "cache dtype must match the activations");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(), "rotary tables must be contiguous fp32");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be int64");
+  const int64_t B = qkv.size(0), H = num_heads, KV = num_kv_heads, G = H / KV;
+  const int64_t D = k_cache.size(3), bs = k_cache.size(2), nbt = block_tables.size(1);
+  const int64_t num_blocks = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(1) == KV && qkv.size(1) == (H + 2 * KV) * D, "qkv width mismatch");
+  TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, "one table and length per row");
+  auto out = at::empty({B, H * D}, qkv.options());
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= nbt * bs && lens[b] <= cos.size(0), "bad sequence length");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rope_decode_attention", [&] {
+    using T = scalar_t;
+    const T* qp = qkv.data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const float sc = static_cast<float>(scale);
+    at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q(G * D), k(D), acc(G * D), scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / KV, kvh = task % KV, len = lens[b], pos = len - 1;
+        const T* row = qp + b * (H + 2 * KV) * D;
+        const int64_t* table = bt + b * nbt;
+        const int64_t blk = table[pos / bs];
+        TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
+        const int64_t slot = ((blk * KV + kvh) * bs + pos % bs) * D;
+        rotate(row + (H + kvh) * D, cp + pos * D, sp + pos * D, k.data(), D);
+        const T* v = row + (H + KV + kvh) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          kc[slot + d] = static_cast<T>(k[d]);
+          vc[slot + d] = v[d];
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          rotate(row + (kvh * G + g) * D, cp + pos * D, sp + pos * D, q.data() + g * D, D);
+        }
+        scores.assign(G * len, 0.f);
+        for (int64_t t = 0; t < len; ++t) {
+          const T* kr = kc + ((table[t / bs] * KV + kvh) * bs + t % bs) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            scores[g * len + t] = dot(q.data() + g * D, kr, D) * sc;
+          }
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::vector<float> denom(G);
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * len;
+          const float m = *std::max_element(sg, sg + len);
+          float total = 0.f;
+          for (int64_t t = 0; t < len; ++t) total += (sg[t] = std::exp(sg[t] - m));
+          denom[g] = total;
+        }
+        for (int64_t t = 0; t < len; ++t) {
+          const T* vr = vc + ((table[t / bs] * KV + kvh) * bs + t % bs) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            axpy(scores[g * len + t], vr, acc.data() + g * D, D);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          T* o = op + b * H * D + (kvh * G + g) * D;
+          const float inv = 1.f / denom[g];
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---- Weight-only quantised matmuls for few activation rows (decode) ----------------------
+// Activations are widened to fp32 once; weights are read once per call and widened in
+// registers. Outputs are rounded to the activation dtype, as torch's packed kernels do.
+
+// out[m] = sum_k x[m, k] * w[k] for m < M: each weight is widened once for all rows (M is a
+// template argument so that the accumulators stay in registers).
+template <int M>
+inline void dot_i8_rows(const float* x, const int8_t* w, int64_t k, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    const __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + i))));
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * k + i), wf, acc[m]);
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+#else
+  for (int m = 0; m < M; ++m) out[m] = 0.f;
+#endif
+  for (; i < k; ++i)
+    for (int m = 0; m < M; ++m) out[m] += x[m * k + i] * static_cast<float>(w[i]);
+}
+
+template <typename T, int M>
+void int8_rows(const float* xp, const int8_t* wp, const float* sp, T* op, int64_t K, int64_t O) {
+  at::parallel_for(0, O, 256, [&](int64_t b, int64_t e) {
+    float dots[M];
+    for (int64_t o = b; o < e; ++o) {
+      dot_i8_rows<M>(xp, wp + o * K, K, dots);
+      for (int m = 0; m < M; ++m) op[m * O + o] = static_cast<T>(dots[m] * sp[o]);
+    }
+  });
+}
+
+// y[m, o] = scales[o] * sum_k x[m, k] * w[o, k]; x [M, K], w int8 [O, K], scales [O].
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 2 && w.is_contiguous() &&
+                  w.scalar_type() == at::kChar && w.size(1) == x.size(1),
+              "int8_linear: expected x [M, K] and int8 w [O, K]");
+  const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
+  TORCH_CHECK(scales.numel() == O, "int8_linear: one scale per output row");
+  TORCH_CHECK(M >= 1 && M <= 4, "int8_linear: for 1 to 4 activation rows");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor sf = scales.to(at::kFloat).contiguous();
+  auto out = at::empty({M, O}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const float* sp = sf.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_linear", [&] {
+    auto* op = out.data_ptr<scalar_t>();
+    switch (M) {
+      case 1: return int8_rows<scalar_t, 1>(xp, wp, sp, op, K, O);
+      case 2: return int8_rows<scalar_t, 2>(xp, wp, sp, op, K, O);
+      case 3: return int8_rows<scalar_t, 3>(xp, wp, sp, op, K, O);
+      default: return int8_rows<scalar_t, 4>(xp, wp, sp, op, K, O);
+    }
+  });
+  return out;
+}
+
+// torch's CPU int4pack layout, read as it is (no repacking): outputs in blocks of 64; per block
+// and input column k, 32 bytes whose low nibbles are outputs 0..31 of the block and high
+// nibbles outputs 32..63. scales_zeros [K / G, O, 2]: W = (q - 8) * scale + zero, so
+// sum_k x_k W_k = scale * sum_k x_k q_k + (zero - 8 scale) * sum_k x_k per group.
+inline void int4_block_group(const float* x, const uint8_t* codes, int64_t g_len, float* acc) {
+  for (int64_t k = 0; k < g_len; ++k) {
+    const float xk = x[k];
+    const uint8_t* b = codes + k * 32;
+#pragma omp simd
+    for (int64_t i = 0; i < 32; ++i) {
+      acc[i] += xk * static_cast<float>(b[i] & 15);
+      acc[i + 32] += xk * static_cast<float>(b[i] >> 4);
+    }
+  }
+}
+
+// total += scale * acc + (zero - 8 scale) * xsum over one block of 64 outputs; s: (scale, zero).
+inline void int4_block_scale(const float* s, const float* acc, float xsum, float* total) {
+#pragma omp simd
+  for (int64_t i = 0; i < 64; ++i) total[i] += s[2 * i] * acc[i] + (s[2 * i + 1] - 8.f * s[2 * i]) * xsum;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t group,
+                       const at::Tensor& scales_zeros) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() &&
+                  qweight.scalar_type() == at::kByte, "int4_linear: expected x [M, K], packed uint8 w");
+  const int64_t M = x.size(0), K = x.size(1), O = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) * 2 == K && O % 64 == 0 && K % group == 0,
+              "int4_linear: shape not in 64-row blocks of whole groups");
+  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == K / group && scales_zeros.size(1) == O,
+              "int4_linear: scales_zeros must be [K / G, O, 2]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor sz = scales_zeros.to(at::kFloat).contiguous();
+  const int64_t G = K / group;
+  // Per row and group: sum of the activations (for the zero points).
+  std::vector<float> xsum(M * G, 0.f);
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t k = 0; k < group; ++k) xsum[m * G + g] += xp[m * K + g * group + k];
+  auto out = at::empty({M, O}, x.options());
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const float* szp = sz.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_linear", [&] {
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, O / 64, 1, [&](int64_t b, int64_t e) {
+      float acc[64], total[64];
+      for (int64_t nb = b; nb < e; ++nb) {
+        const uint8_t* block = wp + nb * 64 * (K / 2);
+        for (int64_t m = 0; m < M; ++m) {
+          std::fill(total, total + 64, 0.f);
+          for (int64_t g = 0; g < G; ++g) {
+            std::fill(acc, acc + 64, 0.f);
+            int4_block_group(xp + m * K + g * group, block + g * group * 32, group, acc);
+            const float xs = xsum[m * G + g];
+            int4_block_scale(szp + (g * O + nb * 64) * 2, acc, xs, total);
+          }
+          for (int64_t i = 0; i < 64; ++i) op[m * O + nb * 64 + i] = static_cast<scalar_t>(total[i]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dsinfer, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor qweight, int group, Tensor scales_zeros) -> Tensor");
+  m.def(
+      "rope_decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, int num_heads, "
+      "int num_kv_heads, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("rope_decode_attention", &rope_decode_attention);
+}
