@@ -20,6 +20,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="kernels: fused (CPU fast path), reference (eager torch, the exactness oracle), "
         "auto (fused where it runs)",
     )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="weights quantised at load; auto: a Q4_0/Q4_1/Q8_0 GGUF keeps int4/int8 "
+        "(bf16 activations) unless --dtype float32",
+    )
     p.add_argument("--kv-cache-memory", default="512MiB", help="KV pool budget, e.g. 512MiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="override the budget")
     p.add_argument("--block-size", type=int, default=16)
@@ -113,6 +120,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         backend=args.backend,
+        quantization=args.quantization,
         seed=args.seed,
         tokenizer=args.tokenizer,
         random_weights=args.random_weights,

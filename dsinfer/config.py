@@ -121,6 +121,9 @@ class EngineConfig:
     device: str = "cpu"
     # Kernel backend: auto (fused where it runs, else reference) | reference | fused.
     backend: str = "auto"
+    # Weights quantised at load: auto (a Q4/Q8 GGUF keeps int4/int8 unless dtype is float32)
+    # | none | int8 | int4. Artifacts are quantised at compile instead.
+    quantization: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0

@@ -21,12 +21,16 @@ def load_model_source(
     seed: int = 0,
     enable_mtp: bool = True,
     random_quant: str = "none",
+    quantization: str = "auto",
 ) -> LoadedModel:
     if is_artifact(model):
         if random_weights:
             raise ArtifactError(f"{model} is a compiled artifact; --random-weights needs a config")
         if dtype != "auto":
             logger.warning("--dtype %s ignored: an artifact's dtype is fixed at compile", dtype)
+        if quantization not in ("auto", "none"):
+            logger.warning("--quantization %s ignored: an artifact is quantised at compile",
+                           quantization)
         return load_artifact(model, policy, device)
     if policy.requires_signature:
         raise ArtifactError(
@@ -34,4 +38,6 @@ def load_model_source(
             "is not a signed artifact: compile and sign it (dsinfer compile … --sign-key KEY), "
             "or pass --allow-unsigned"
         )
-    return load_model(model, dtype, device, random_weights, seed, enable_mtp, random_quant)
+    return load_model(
+        model, dtype, device, random_weights, seed, enable_mtp, random_quant, quantization
+    )

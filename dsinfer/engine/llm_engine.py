@@ -49,6 +49,7 @@ def load_for_config(config: EngineConfig) -> LoadedModel:
         config.seed,
         enable_mtp=config.mtp,
         random_quant=config.random_quant,
+        quantization=config.quantization,
     )
 
 

@@ -99,6 +99,23 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+# GGUF block types our weight-only layouts hold without loss of the grid: Q4_0/Q4_1 are 4-bit
+# codes in groups of 32 with a scale (and minimum), as our int4 groups of 32; Q8_0 is 8-bit.
+_NATIVE_SCHEME = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+
+
+def native_scheme(reader: gguf.GGUFReader) -> str:
+    """The weight-only scheme matching this GGUF's projection weights (int4 | int8), or
+    "none" when they are float or of mixed or other types. The token embedding is left out:
+    it is looked up, not multiplied."""
+    kinds = {
+        _NATIVE_SCHEME.get(t.tensor_type.name, "none")
+        for t in reader.tensors
+        if len(t.shape) == 2 and t.name != "token_embd.weight"
+    }
+    return kinds.pop() if len(kinds) == 1 else "none"
+
+
 def iter_gguf_tensors(
     reader: gguf.GGUFReader, cfg: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:

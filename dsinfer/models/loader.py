@@ -22,8 +22,8 @@ from torch import nn
 
 from dsinfer.config import ModelConfig, parse_dtype
 from dsinfer.layers.linear import default_weight_loader
-from dsinfer.layers.quant import plan_formats, prepare_quantized
-from dsinfer.models.gguf_file import config_from_gguf, iter_gguf_tensors
+from dsinfer.layers.quant import plan_formats, prepare_quantized, quantize_model
+from dsinfer.models.gguf_file import config_from_gguf, iter_gguf_tensors, native_scheme
 from dsinfer.models.registry import config_from_hf, model_class
 
 logger = logging.getLogger(__name__)
@@ -204,6 +204,26 @@ def fill_random_weights(model: nn.Module, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)  # in place: no full-size temporary
 
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+def resolve_quantization(requested: str, dtype: str | torch.dtype, native: str) -> str:
+    """none | int8 | int4 for a load: see load_model."""
+    if requested not in QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization {requested!r}; choose one of {', '.join(QUANTIZATIONS)}"
+        )
+    exact = dtype in ("float32", torch.float32)
+    if requested == "auto":
+        return "none" if exact else native
+    if requested != "none" and exact:
+        raise ValueError(
+            f"{requested} weights run with bfloat16 activations; use dtype bfloat16 or auto "
+            "(float32 is the exact path: quantization none)"
+        )
+    return requested
+
+
 def load_model(
     model: str,
     dtype: str | torch.dtype = "auto",
@@ -212,8 +232,13 @@ def load_model(
     seed: int = 0,
     enable_mtp: bool = True,
     random_quant: str = "none",
+    quantization: str = "none",
 ) -> LoadedModel:
     """Build the model for `model` and load its weights (or seeded random ones).
+
+    `quantization`: none | int8 | int4 — quantise the loaded weights in place, as `dsinfer
+    compile` would (int4 in groups of 32); auto — a GGUF whose projections are Q4_0/Q4_1/Q8_0
+    keeps that precision as int4/int8 unless dtype is float32 (the exact path).
 
     `enable_mtp`: load a DeepSeek-V3 checkpoint's multi-token-prediction layer when present.
     `random_quant` (with random weights): int8 or int4 layouts, for models whose float weights
@@ -224,6 +249,10 @@ def load_model(
     configure = getattr(model_class(cfg.architecture), "configure_for_checkpoint", None)
     if configure is not None and enable_mtp and not path.is_file():
         cfg = configure(cfg, None if random_weights else checkpoint_names(path))
+    reader = gguf.GGUFReader(str(path)) if path.is_file() and not random_weights else None
+    scheme = resolve_quantization(quantization, dtype, native_scheme(reader) if reader else "none")
+    if scheme != "none" and dtype == "auto":
+        dtype = torch.bfloat16  # the packed int8/int4 CPU kernels are vectorised for bf16
     tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)
     net = build_model(cfg, tdtype, device)  # parameters in the target dtype: no fp32 copy
     if random_weights:
@@ -236,11 +265,13 @@ def load_model(
             finally:
                 torch.set_default_dtype(previous)
         fill_random_weights(net, seed)
-    elif path.is_file():
-        reader = gguf.GGUFReader(str(path))
+    elif reader is not None:
         load_weights(net, iter_gguf_tensors(reader, cfg))
     else:
         load_weights(net, iter_safetensors(path))
+    if scheme != "none" and not random_weights:
+        quantize_model(net, scheme, 32, tdtype)
+        logger.info("weights quantised to %s at load (groups of 32)", scheme)
     net.eval()
     logger.info(
         "loaded %s (%s, %s) in %.1fs", path, cfg.architecture, tdtype, time.perf_counter() - t0

@@ -85,6 +85,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {out, sum};
 }
 
+template <typename T>
+inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gv = f32(g[i]);
+    o[i] = static_cast<T>(gv / (1.f + std::exp(-gv)) * f32(u[i]));
+  }
+}
+
 // x: [rows, 2I] laid out [gate | up] -> silu(gate) * up: [rows, I].
 at::Tensor silu_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "expected [rows, 2I]");
@@ -98,10 +107,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
         const scalar_t* g = xp + r * 2 * inter;
         const scalar_t* u = g + inter;
         scalar_t* o = op + r * inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float gv = f32(g[i]);
-          o[i] = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)) * f32(u[i]));
-        }
+        silu_mul_row(g, u, o, inter);
       }
     });
   });
@@ -253,7 +259,7 @@ void int8_rows(const float* xp, const int8_t* wp, const float* sp, T* op, int64_
     float dots[M];
     for (int64_t o = b; o < e; ++o) {
       dot_i8_rows<M>(xp, wp + o * K, K, dots);
-      for (int m = 0; m < M; ++m) op[m * O + o] = static_cast<T>(dots[m] * sp[o]);
+      for (int m = 0; m < M; ++m) op[m * O + o] = static_cast<T>(dots[m] * sp[o]);  // row stride O
     }
   });
 }
@@ -265,7 +271,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               "int8_linear: expected x [M, K] and int8 w [O, K]");
   const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
   TORCH_CHECK(scales.numel() == O, "int8_linear: one scale per output row");
-  TORCH_CHECK(M >= 1 && M <= 4, "int8_linear: for 1 to 4 activation rows");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor sf = scales.to(at::kFloat).contiguous();
   auto out = at::empty({M, O}, x.options());
@@ -274,11 +279,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int8_t* wp = w.data_ptr<int8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_linear", [&] {
     auto* op = out.data_ptr<scalar_t>();
-    switch (M) {
-      case 1: return int8_rows<scalar_t, 1>(xp, wp, sp, op, K, O);
-      case 2: return int8_rows<scalar_t, 2>(xp, wp, sp, op, K, O);
-      case 3: return int8_rows<scalar_t, 3>(xp, wp, sp, op, K, O);
-      default: return int8_rows<scalar_t, 4>(xp, wp, sp, op, K, O);
+    // Rows in chunks of up to 4 (measured: more accumulators scale worse); each chunk reads the
+    // weights once, and a row's sum runs in the same order whatever the chunk, so a sequence's
+    // logits do not depend on what else is in the batch.
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t n = std::min<int64_t>(4, M - m0);
+      const float* xc = xp + m0 * K;
+      scalar_t* oc = op + m0 * O;
+      switch (n) {
+        case 1: int8_rows<scalar_t, 1>(xc, wp, sp, oc, K, O); break;
+        case 2: int8_rows<scalar_t, 2>(xc, wp, sp, oc, K, O); break;
+        case 3: int8_rows<scalar_t, 3>(xc, wp, sp, oc, K, O); break;
+        default: int8_rows<scalar_t, 4>(xc, wp, sp, oc, K, O); break;
+      }
     }
   });
   return out;
