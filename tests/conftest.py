@@ -38,6 +38,14 @@ def smol_llm():
 
 
 @pytest.fixture(scope="session")
+def smol_llm_reference():
+    """The same model on the reference backend (eager torch): the oracle of the fused path."""
+    from dsinfer import LLM
+
+    return LLM("smollm2", dtype="float32", kv_cache_memory="128MiB", backend="reference")
+
+
+@pytest.fixture(scope="session")
 def hf_smol(smol_path: Path):
     """transformers' LlamaForCausalLM from the same GGUF, fp32 (the reference)."""
     from transformers import AutoModelForCausalLM

@@ -24,6 +24,24 @@ def full_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
         engine.pool.free(blocks)
 
 
+def decode_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """Logits [T, V] at every position of `ids`, fed one token per step: every row runs the
+    decode path (single-token rows), as generation does."""
+    bs = engine.block_size
+    blocks = engine.pool.allocate(-(-len(ids) // bs))
+    runner = engine.executor.runner
+    rows = []
+    try:
+        for pos, tok in enumerate(ids):
+            seq = ScheduledSeq("probe", [tok], pos, blocks, do_sample=False)
+            inp = build_model_input([seq], bs, runner.device)
+            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
+            rows.append(runner.model.compute_logits(hidden))
+        return torch.cat(rows)
+    finally:
+        engine.pool.free(blocks)
+
+
 def assert_pool_clean(engine: LLMEngine) -> None:
     """Integrity holds and no block is held once every request is done."""
     engine.check_integrity()
@@ -99,15 +117,17 @@ def tiny_llama_dir(  # noqa: ANN201
     return path
 
 
-def save_and_load(model, path):  # noqa: ANN001, ANN201
+def save_and_load(model, path, backend: str = "auto", **kwargs):  # noqa: ANN001, ANN201
     """Save a transformers model with the tiny tokenizer; load it with dsinfer (fp32)."""
     from dsinfer import LLM
     from tests.models.test_tiny_parity import _tokenizer_files
 
     model.eval()
-    model.save_pretrained(path)
-    _tokenizer_files(path)
-    return LLM(str(path), dtype="float32", num_blocks=64, block_size=4)
+    if not (path / "config.json").exists():
+        model.save_pretrained(path)
+        _tokenizer_files(path)
+    options = {"dtype": "float32", "num_blocks": 64, "block_size": 4, **kwargs}
+    return LLM(str(path), backend=backend, **options)
 
 
 def assert_logits_match(llm, ref, lengths: tuple[int, ...], vocab: int, tol: float) -> None:  # noqa: ANN001

@@ -29,8 +29,9 @@ def load_model_source(
         if dtype != "auto":
             logger.warning("--dtype %s ignored: an artifact's dtype is fixed at compile", dtype)
         if quantization not in ("auto", "none"):
-            logger.warning("--quantization %s ignored: an artifact is quantised at compile",
-                           quantization)
+            logger.warning(
+                "--quantization %s ignored: an artifact is quantised at compile", quantization
+            )
         return load_artifact(model, policy, device)
     if policy.requires_signature:
         raise ArtifactError(

@@ -103,7 +103,9 @@ class MLA(nn.Module):
         c, k_pe = kv.split([self.lora, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)[0]
         q_pe = apply_rotary(_deinterleave(q_pe), rope.cos, rope.sin)  # [T, H, rope]
-        k_pe = apply_rotary(_deinterleave(k_pe).unsqueeze(1), rope.cos, rope.sin).squeeze(1)  # [T, rope]
+        k_pe = apply_rotary(_deinterleave(k_pe).unsqueeze(1), rope.cos, rope.sin).squeeze(
+            1
+        )  # [T, rope]
         latent = torch.cat([c, k_pe], dim=-1)  # [T, lora + rope]: all the cache keeps
         o = self.attn.forward(q_nope, q_pe, latent, cache[0], self.kv_b_proj.weight, meta)
         return self.o_proj(o.reshape(t, self.h * self.v))

@@ -54,7 +54,10 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+PARAMS = [(case, backend) for case in sorted(CASES) for backend in ("reference", "fused")]
+
+
+@pytest.fixture(scope="module", params=PARAMS, ids=[f"{c}-{b}" for c, b in PARAMS])
 def tiny(request, tmp_path_factory):
     from transformers import (
         DeepseekV2Config,
@@ -63,7 +66,8 @@ def tiny(request, tmp_path_factory):
         DeepseekV3ForCausalLM,
     )
 
-    version, extra = CASES[request.param]
+    case, backend = request.param
+    version, extra = CASES[case]
     torch.manual_seed(3)
     if version == "v2":
         model = DeepseekV2ForCausalLM(DeepseekV2Config(**COMMON, **extra))
@@ -75,7 +79,7 @@ def tiny(request, tmp_path_factory):
             layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
             if version == "v3":
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3, generator=g)
-    llm = save_and_load(model, tmp_path_factory.mktemp(request.param))
+    llm = save_and_load(model, tmp_path_factory.mktemp(case), backend)
     return llm, model
 
 

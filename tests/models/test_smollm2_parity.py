@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from dsinfer import SamplingParams
@@ -28,7 +29,13 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-def test_logits_match_reference_at_every_position(smol_llm, hf_smol):
+# Both backends against transformers: the default (fused) and the reference.
+BACKENDS = pytest.mark.parametrize("llm_fixture", ["smol_llm", "smol_llm_reference"])
+
+
+@BACKENDS
+def test_logits_match_reference_at_every_position(llm_fixture, hf_smol, request):
+    smol_llm = request.getfixturevalue(llm_fixture)
     for prompt in PROMPTS[:3]:
         ids = smol_llm.tokenizer.encode(prompt)
         ours = full_logits(smol_llm.engine, ids)
@@ -39,7 +46,9 @@ def test_logits_match_reference_at_every_position(smol_llm, hf_smol):
     assert_pool_clean(smol_llm.engine)
 
 
-def test_64_greedy_tokens_match_reference(smol_llm, hf_smol):
+@BACKENDS
+def test_64_greedy_tokens_match_reference(llm_fixture, hf_smol, request):
+    smol_llm = request.getfixturevalue(llm_fixture)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     outs = smol_llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs, strict=True):

@@ -36,8 +36,9 @@ def attention_class(backend: str, device_type: str, kind: str) -> type:
             return _REGISTRY[key]
     if (backend, device_type, kind) not in _warned:
         _warned.add((backend, device_type, kind))
-        logger.info("no %s %s attention for %s: this kind keeps the reference", backend, kind,
-                    device_type)
+        logger.info(
+            "no %s %s attention for %s: this kind keeps the reference", backend, kind, device_type
+        )
     return _REGISTRY[("reference", "any", kind)]
 
 

@@ -89,8 +89,10 @@ template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
+    // Rounded where the reference rounds (silu, then the product): in bf16 a single rounding
+    // is slightly more exact but moves SmolLM2's perplexity by ~1%, away from the oracle.
     const float gv = f32(g[i]);
-    o[i] = static_cast<T>(gv / (1.f + std::exp(-gv)) * f32(u[i]));
+    o[i] = static_cast<T>(f32(static_cast<T>(gv / (1.f + std::exp(-gv)))) * f32(u[i]));
   }
 }
 

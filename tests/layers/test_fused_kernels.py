@@ -1,0 +1,145 @@
+"""The fused CPU kernels against the reference ops they replace, on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsinfer.layers.attention import AttentionMetadata, FusedCpuPagedAttention, PrefillSeq
+from dsinfer.layers.attention.torch_paged import TorchPagedAttention
+from dsinfer.layers.backend import resolve_backend
+from dsinfer.layers.kernels import FUSED_CPU, REFERENCE
+from dsinfer.layers.quant import int8_mm, quantize_int8
+from dsinfer.layers.rotary import RotaryEmbedding
+from dsinfer.config import RopeConfig
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    assert resolve_backend("fused", torch.device("cpu")).name == "fused"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_and_activation_match_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 96, generator=g).to(dtype)
+    r = torch.randn(5, 96, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    torch.testing.assert_close(
+        FUSED_CPU.rms_norm(x, w, 1e-5), REFERENCE.rms_norm(x, w, 1e-5), atol=TOL[dtype], rtol=0
+    )
+    (a, ra), (b, rb) = FUSED_CPU.add_rms_norm(x, r, w, 1e-5), REFERENCE.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(ra, rb)  # the residual sum rounds like the reference's add
+    torch.testing.assert_close(a, b, atol=TOL[dtype], rtol=0)
+    gu = torch.randn(3, 2 * 40, generator=g).to(dtype)
+    torch.testing.assert_close(
+        FUSED_CPU.silu_and_mul(gu), REFERENCE.silu_and_mul(gu), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+
+
+def test_fused_ops_fall_back_on_what_they_do_not_take() -> None:
+    x = torch.randn(4, 2, 8).to(torch.float16)  # 3-D, fp16: the reference runs
+    w = torch.ones(8, dtype=torch.float16)
+    torch.testing.assert_close(FUSED_CPU.rms_norm(x, w, 1e-6), REFERENCE.rms_norm(x, w, 1e-6))
+
+
+def _paged_step(dtype: torch.dtype, lens: list[int], heads: int, kv: int, d: int, bs: int = 4):
+    """A decode step over random caches: block tables scattered over the pool."""
+    g = torch.Generator().manual_seed(1)
+    nblocks = sum(-(-n // bs) for n in lens) + 3
+    k_cache = torch.randn(nblocks, kv, bs, d, generator=g).to(dtype)
+    v_cache = torch.randn(nblocks, kv, bs, d, generator=g).to(dtype)
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    tables, at = [], 0
+    for n in lens:
+        need = -(-n // bs)
+        tables.append(perm[at : at + need])
+        at += need
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    seq_lens = torch.tensor(lens)
+    pos = seq_lens - 1
+    mask = torch.arange(width * bs).unsqueeze(0) >= seq_lens.unsqueeze(1)
+    meta = AttentionMetadata(
+        slot_blocks=torch.tensor([t[p // bs] for t, p in zip(tables, pos.tolist(), strict=True)]),
+        slot_offsets=pos % bs,
+        num_decode=len(lens),
+        decode_block_tables=bt,
+        decode_mask=mask.view(len(lens), 1, 1, -1),
+        prefills=(),
+        decode_seq_lens=seq_lens,
+    )
+    qkv = torch.randn(len(lens), (heads + 2 * kv) * d, generator=g).to(dtype)
+    rope = RotaryEmbedding(d, 128, RopeConfig()).cos_sin(pos, dtype)
+    return qkv, rope, (k_cache, v_cache), meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2), (9, 3)])
+def test_paged_decode_attention_matches_reference(dtype: torch.dtype, heads: int, kv: int) -> None:
+    d = 16
+    qkv, rope, caches, meta = _paged_step(dtype, [1, 5, 9, 23], heads, kv, d)
+    ref_caches = tuple(c.clone() for c in caches)
+    shape = dict(num_heads=heads, num_kv_heads=kv, head_dim=d, scale=d**-0.5)
+    want = TorchPagedAttention(**shape).forward_qkv(qkv, rope, ref_caches, meta)
+    got = FusedCpuPagedAttention(**shape).forward_qkv(qkv, rope, caches, meta)
+    # Both wrote the new keys and values into the same slots (the fused kernel rotates k in
+    # fp32 before rounding it once; the reference rounds each rotary op).
+    for a, b in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(a, b, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got, want, atol=2 * TOL[dtype], rtol=TOL[dtype])
+
+
+def test_mixed_step_runs_prefill_rows_on_the_reference() -> None:
+    """Decode rows first, then a prefill chunk: the fused backend hands the chunk on."""
+    d, heads, kv, bs = 8, 4, 2, 4
+    qkv_dec, rope_dec, caches, meta_dec = _paged_step(torch.float32, [6, 3], heads, kv, d, bs)
+    nblocks = caches[0].shape[0]
+    prefill_table = torch.tensor([nblocks - 1])  # an unused block of the pool
+    q_len = 3
+    qkv_pre = torch.randn(q_len, (heads + 2 * kv) * d)
+    qkv = torch.cat([qkv_dec, qkv_pre])
+    positions = torch.cat([meta_dec.decode_seq_lens - 1, torch.arange(q_len)])
+    rope = RotaryEmbedding(d, 128, RopeConfig()).cos_sin(positions, torch.float32)
+    meta = AttentionMetadata(
+        slot_blocks=torch.cat([meta_dec.slot_blocks, prefill_table.repeat(q_len)]),
+        slot_offsets=torch.cat([meta_dec.slot_offsets, torch.arange(q_len)]),
+        num_decode=2,
+        decode_block_tables=meta_dec.decode_block_tables,
+        decode_mask=meta_dec.decode_mask,
+        prefills=(PrefillSeq(2, q_len, q_len, prefill_table),),
+        decode_seq_lens=meta_dec.decode_seq_lens,
+    )
+    ref_caches = tuple(c.clone() for c in caches)
+    shape = dict(num_heads=heads, num_kv_heads=kv, head_dim=d, scale=d**-0.5)
+    want = TorchPagedAttention(**shape).forward_qkv(qkv, rope, ref_caches, meta)
+    got = FusedCpuPagedAttention(**shape).forward_qkv(qkv, rope, caches, meta)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
+def test_int8_head_kernel_matches_dequantised_matmul_and_is_batch_invariant(rows: int) -> None:
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(8192, 64, generator=g) * 0.05
+    q = quantize_int8(w, torch.bfloat16)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    got = int8_mm(x, q["qweight"], q["scales"], fused=True)
+    want = (x.float() @ (q["qweight"].float() * q["scales"].float()[:, None]).t()).to(x.dtype)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)
+    # A row's result does not depend on the other rows of its batch.
+    alone = torch.cat(
+        [int8_mm(x[i : i + 1], q["qweight"], q["scales"], fused=True) for i in range(rows)]
+    )
+    assert torch.equal(got, alone)
+
+
+def test_backend_choice_is_explained() -> None:
+    assert resolve_backend("reference", torch.device("cpu")).name == "reference"
+    auto = resolve_backend("auto", torch.device("meta"))
+    assert auto.name == "reference" and "no fused backend for meta" in auto.reason
+    with pytest.raises(ValueError, match="fused backend cannot run here"):
+        resolve_backend("fused", torch.device("meta"))
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        resolve_backend("fast", torch.device("cpu"))
