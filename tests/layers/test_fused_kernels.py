@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsinfer.config import RopeConfig
 from dsinfer.layers.attention import AttentionMetadata, FusedCpuPagedAttention, PrefillSeq
 from dsinfer.layers.attention.torch_paged import TorchPagedAttention
 from dsinfer.layers.backend import resolve_backend
 from dsinfer.layers.kernels import FUSED_CPU, REFERENCE
 from dsinfer.layers.quant import int8_mm, quantize_int8
 from dsinfer.layers.rotary import RotaryEmbedding
-from dsinfer.config import RopeConfig
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
