@@ -37,7 +37,8 @@ def report_text(report: dict) -> str:
         f"artifact        {report['artifact']} version {report['version']}",
         f"compile time    {report['compile_seconds']:.1f} s",
         f"decode ops, one decoder layer (torch.profiler): "
-        f"{ops['checkpoint_layout']} before fusion → {ops['compiled']} after",
+        f"{ops['checkpoint_layout']} before fusion → {ops['compiled']} after (reference "
+        f"backend) → {ops['compiled_fused']} on the fused backend",
         "weight bytes    "
         + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in report["weight_bytes"].items()),
         f"KV capacity     {report['kv_capacity_tokens']:,} tokens in "

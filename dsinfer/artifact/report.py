@@ -1,9 +1,10 @@
 """`dsinfer compile --report`: measured operator counts, weight bytes, KV capacity, compile time.
 
 Operator counts come from torch.profiler over one decode step (one new token after a short
-context) of the first decoder layer: the operators that layer dispatches directly, once in the
-checkpoint's layout (q, k, v and gate, up as separate matmuls, float weights) and once as
-compiled (fused projections, the artifact's weight format).
+context) of the first decoder layer: the operators (aten:: and our dsinfer:: kernels) that
+layer dispatches directly, in the checkpoint's layout (q, k, v and gate, up as separate matmuls,
+float weights) on the reference backend, then as compiled (fused projections, the artifact's
+weight format) on the reference and on the fused backend.
 """
 
 from __future__ import annotations
@@ -73,9 +74,11 @@ def _quiet_stderr() -> Iterator[None]:
 
 
 @torch.inference_mode()
-def decode_layer_ops(loaded: LoadedModel) -> int:
+def decode_layer_ops(loaded: LoadedModel, backend: str = "reference") -> int:
     """Operators the first decoder layer dispatches in one decode step (torch.profiler)."""
-    runner = ModelRunner(loaded, CacheConfig(block_size=16, num_blocks=2), torch.device("cpu"))
+    runner = ModelRunner(
+        loaded, CacheConfig(block_size=16, num_blocks=2), torch.device("cpu"), backend=backend
+    )
     seq = ScheduledSeq("probe", [1], _CONTEXT, [0, 1], do_sample=False)
     inp = build_model_input([seq], runner.block_size, runner.device)
     layer = loaded.model.model.layers[0]
@@ -98,7 +101,7 @@ def decode_layer_ops(loaded: LoadedModel) -> int:
             h.remove()
     ranges = [e for e in prof.events() if e.name == _LAYER_RANGE]
     assert len(ranges) == 1, "the layer ran once under the profiler"
-    return sum(1 for c in ranges[0].cpu_children if c.name.startswith("aten::"))
+    return sum(1 for c in ranges[0].cpu_children if c.name.startswith(("aten::", "dsinfer::")))
 
 
 def weight_bytes(model: nn.Module, group_size: int) -> dict[str, int]:
@@ -154,6 +157,7 @@ def compile_with_report(
         "decode_ops_per_layer": {
             "checkpoint_layout": decode_layer_ops(reference),
             "compiled": decode_layer_ops(compiled),
+            "compiled_fused": decode_layer_ops(compiled, "fused"),
         },
         "weight_bytes": weight_bytes(reference.model, opts.group_size),
         "kv_bytes_per_token": compiled.config.kv_bytes_per_token(compiled.dtype),

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -23,7 +22,12 @@ from torch import nn
 from dsinfer.config import ModelConfig, parse_dtype
 from dsinfer.layers.linear import default_weight_loader
 from dsinfer.layers.quant import plan_formats, prepare_quantized, quantize_model
-from dsinfer.models.gguf_file import config_from_gguf, iter_gguf_tensors, native_scheme
+from dsinfer.models.gguf_file import (
+    config_from_gguf,
+    iter_gguf_tensors,
+    native_scheme,
+    open_gguf,
+)
 from dsinfer.models.registry import config_from_hf, model_class
 
 logger = logging.getLogger(__name__)
@@ -68,7 +72,7 @@ def resolve_model_path(model: str, config_only: bool = False) -> Path:
 
 def read_model_config(path: Path) -> ModelConfig:
     if path.is_file():
-        return config_from_gguf(gguf.GGUFReader(str(path)))
+        return config_from_gguf(open_gguf(path))
     return config_from_hf(json.loads((path / "config.json").read_text()))
 
 
@@ -249,7 +253,7 @@ def load_model(
     configure = getattr(model_class(cfg.architecture), "configure_for_checkpoint", None)
     if configure is not None and enable_mtp and not path.is_file():
         cfg = configure(cfg, None if random_weights else checkpoint_names(path))
-    reader = gguf.GGUFReader(str(path)) if path.is_file() and not random_weights else None
+    reader = open_gguf(path) if path.is_file() and not random_weights else None
     scheme = resolve_quantization(quantization, dtype, native_scheme(reader) if reader else "none")
     if scheme != "none" and dtype == "auto":
         dtype = torch.bfloat16  # the packed int8/int4 CPU kernels are vectorised for bf16

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from dsinfer.models.gguf_file import field_value
+from dsinfer.models.gguf_file import field_value, open_gguf
 from dsinfer.tokenizer.tokenizer import Tokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4
@@ -38,7 +37,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 
 
 def from_gguf(path: Path) -> Tokenizer:
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     kind = field_value(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(

@@ -1,0 +1,150 @@
+"""llama.cpp's llama-server and dsinfer, one after the other in one run, on the same prompts.
+
+Each server runs alone on the machine (the other is stopped), on the embedded SmolLM2 Q4_1 GGUF;
+the same streaming load (`dsinfer bench serve`: ~128-word prompts, 128 new tokens, ignore_eos,
+same seed) runs at each concurrency. Prints both sides, the ratios, and each server's peak RSS
+(VmHWM); writes everything to --out as JSON.
+
+  python benchmarks/serve_compare.py [--llama-server PATH] [--dsinfer-config "ARGS"]... \
+      [--concurrency 1,16] [--out benchmarks/results/serve_compare]
+
+Without --llama-server it uses ../shared/tools/build_llama_server.sh's build (building it the
+first time, ~10 minutes). Each --dsinfer-config is one `dsinfer serve` argument string; the
+default is the default server (no arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from dsinfer.bench.serve import report, run_load
+from dsinfer.models.loader import resolve_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD_SCRIPT = ROOT.parent / "shared" / "tools" / "build_llama_server.sh"
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy after {timeout}s")
+
+
+def load_levels(url: str, levels: list[int], args: argparse.Namespace) -> dict[int, dict]:
+    out = {}
+    for c in levels:
+        ns = argparse.Namespace(
+            url=url,
+            model=None,
+            api_key=None,
+            concurrency=c,
+            num_requests=max(16, 4 * c),
+            duration=None,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            seed=0,
+        )
+        # One warm-up request: neither side pays first-call costs in the figures.
+        asyncio.run(run_load(argparse.Namespace(**{**vars(ns), "num_requests": 1})))
+        results, wall = asyncio.run(run_load(ns))
+        out[c] = report(results, wall, ns)
+        r = out[c]
+        print(
+            f"  c={c}: {r['output_tokens_per_s']:.1f} out tok/s, TTFT p50/p99 "
+            f"{r['ttft_s']['p50']:.2f}/{r['ttft_s']['p99']:.2f} s, ITL p50 "
+            f"{1e3 * r['itl_s']['p50']:.1f} ms, errors {r['errors']}",
+            flush=True,
+        )
+    return out
+
+
+def run_server(name: str, cmd: list[str], url: str, levels: list[int], args) -> dict:  # noqa: ANN001
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    log = open(Path(args.out) / f"{name}.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        start_s = wait_healthy(url, proc)
+        print(f"  healthy after {start_s:.1f} s", flush=True)
+        res = load_levels(url, levels, args)
+        return {"cmd": cmd, "start_s": start_s, "peak_rss_mib": peak_rss_mib(proc.pid), "levels": res}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def llama_server_path(given: str | None) -> str:
+    if given:
+        return given
+    out = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=True)
+    return str(Path(out.stdout.strip().splitlines()[-1]) / "llama-server")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--llama-server", default=None)
+    p.add_argument("--dsinfer-config", action="append", default=None)
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--port", type=int, default=8131)
+    p.add_argument("--out", default="benchmarks/results/serve_compare")
+    args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    gguf = str(resolve_model_path("smollm2"))
+    url = f"http://127.0.0.1:{args.port}"
+    llama = [llama_server_path(args.llama_server), "-m", gguf, "-t", "2", "--parallel", "16",
+             "-c", "16384", "--host", "127.0.0.1", "--port", str(args.port)]
+    runs = {"llama-server": run_server("llama-server", llama, url, levels, args)}
+    for i, extra in enumerate(args.dsinfer_config or [""]):
+        name = f"dsinfer {extra}".strip() if extra else "dsinfer (default)"
+        cmd = [str(ROOT / ".venv" / "bin" / "dsinfer"), "serve", "--port", str(args.port),
+               *shlex.split(extra)]
+        runs[name] = run_server(f"dsinfer-{i}", cmd, url, levels, args)
+    base = runs["llama-server"]
+    print("\n| server | start s | peak RSS MiB | " + " | ".join(
+        f"c={c} tok/s (×) | c={c} TTFT p99 s | c={c} ITL p50 ms" for c in levels) + " |")
+    for name, r in runs.items():
+        cells = [name, f"{r['start_s']:.1f}", f"{r['peak_rss_mib']:.0f}"]
+        for c in levels:
+            lv, b = r["levels"][c], base["levels"][c]
+            ratio = lv["output_tokens_per_s"] / b["output_tokens_per_s"]
+            cells += [f"{lv['output_tokens_per_s']:.1f} ({ratio:.2f}×)",
+                      f"{lv['ttft_s']['p99']:.2f}", f"{1e3 * lv['itl_s']['p50']:.1f}"]
+        print("| " + " | ".join(cells) + " |")
+    (Path(args.out) / "serve_compare.json").write_text(
+        json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": runs}, indent=2)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
