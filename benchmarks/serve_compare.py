@@ -90,7 +90,12 @@ def run_server(name: str, cmd: list[str], url: str, levels: list[int], args) -> 
         start_s = wait_healthy(url, proc)
         print(f"  healthy after {start_s:.1f} s", flush=True)
         res = load_levels(url, levels, args)
-        return {"cmd": cmd, "start_s": start_s, "peak_rss_mib": peak_rss_mib(proc.pid), "levels": res}
+        return {
+            "cmd": cmd,
+            "start_s": start_s,
+            "peak_rss_mib": peak_rss_mib(proc.pid),
+            "levels": res,
+        }
     finally:
         proc.terminate()
         try:
@@ -121,24 +126,48 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     gguf = str(resolve_model_path("smollm2"))
     url = f"http://127.0.0.1:{args.port}"
-    llama = [llama_server_path(args.llama_server), "-m", gguf, "-t", "2", "--parallel", "16",
-             "-c", "16384", "--host", "127.0.0.1", "--port", str(args.port)]
+    llama = [
+        llama_server_path(args.llama_server),
+        "-m",
+        gguf,
+        "-t",
+        "2",
+        "--parallel",
+        "16",
+        "-c",
+        "16384",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+    ]
     runs = {"llama-server": run_server("llama-server", llama, url, levels, args)}
     for i, extra in enumerate(args.dsinfer_config or [""]):
         name = f"dsinfer {extra}".strip() if extra else "dsinfer (default)"
-        cmd = [str(ROOT / ".venv" / "bin" / "dsinfer"), "serve", "--port", str(args.port),
-               *shlex.split(extra)]
+        cmd = [
+            str(ROOT / ".venv" / "bin" / "dsinfer"),
+            "serve",
+            "--port",
+            str(args.port),
+            *shlex.split(extra),
+        ]
         runs[name] = run_server(f"dsinfer-{i}", cmd, url, levels, args)
     base = runs["llama-server"]
-    print("\n| server | start s | peak RSS MiB | " + " | ".join(
-        f"c={c} tok/s (×) | c={c} TTFT p99 s | c={c} ITL p50 ms" for c in levels) + " |")
+    print(
+        "\n| server | start s | peak RSS MiB | "
+        + " | ".join(f"c={c} tok/s (×) | c={c} TTFT p99 s | c={c} ITL p50 ms" for c in levels)
+        + " |"
+    )
     for name, r in runs.items():
         cells = [name, f"{r['start_s']:.1f}", f"{r['peak_rss_mib']:.0f}"]
         for c in levels:
             lv, b = r["levels"][c], base["levels"][c]
             ratio = lv["output_tokens_per_s"] / b["output_tokens_per_s"]
-            cells += [f"{lv['output_tokens_per_s']:.1f} ({ratio:.2f}×)",
-                      f"{lv['ttft_s']['p99']:.2f}", f"{1e3 * lv['itl_s']['p50']:.1f}"]
+            cells += [
+                f"{lv['output_tokens_per_s']:.1f} ({ratio:.2f}×)",
+                f"{lv['ttft_s']['p99']:.2f}",
+                f"{1e3 * lv['itl_s']['p50']:.1f}",
+            ]
         print("| " + " | ".join(cells) + " |")
     (Path(args.out) / "serve_compare.json").write_text(
         json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": runs}, indent=2)

@@ -64,5 +64,8 @@ def apply_backend(model: nn.Module, requested: str, device: torch.device) -> Bac
         use = getattr(module, "use_kernels", None)
         if use is not None:
             use(kernels, device.type)
-    logger.info("backend: %s (%s)", choice.name, choice.reason)
+    if requested == "auto" and choice.name == "reference" and device.type == "cpu":
+        logger.warning("backend: reference, the slow path (%s)", choice.reason)
+    else:
+        logger.info("backend: %s (%s)", choice.name, choice.reason)
     return choice

@@ -88,3 +88,9 @@ def _load() -> str | None:
     if not built:
         logger.info("fused CPU kernels built in %.1fs", time.perf_counter() - t0)
     return None
+
+
+if __name__ == "__main__":  # `make install` builds the kernels once, ahead of the first serve
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    error = load_cpu_ops()
+    print(error or f"fused CPU kernels ready in {cache_dir()}")

@@ -299,71 +299,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
-// torch's CPU int4pack layout, read as it is (no repacking): outputs in blocks of 64; per block
-// and input column k, 32 bytes whose low nibbles are outputs 0..31 of the block and high
-// nibbles outputs 32..63. scales_zeros [K / G, O, 2]: W = (q - 8) * scale + zero, so
-// sum_k x_k W_k = scale * sum_k x_k q_k + (zero - 8 scale) * sum_k x_k per group.
-inline void int4_block_group(const float* x, const uint8_t* codes, int64_t g_len, float* acc) {
-  for (int64_t k = 0; k < g_len; ++k) {
-    const float xk = x[k];
-    const uint8_t* b = codes + k * 32;
-#pragma omp simd
-    for (int64_t i = 0; i < 32; ++i) {
-      acc[i] += xk * static_cast<float>(b[i] & 15);
-      acc[i + 32] += xk * static_cast<float>(b[i] >> 4);
-    }
-  }
-}
-
-// total += scale * acc + (zero - 8 scale) * xsum over one block of 64 outputs; s: (scale, zero).
-inline void int4_block_scale(const float* s, const float* acc, float xsum, float* total) {
-#pragma omp simd
-  for (int64_t i = 0; i < 64; ++i) total[i] += s[2 * i] * acc[i] + (s[2 * i + 1] - 8.f * s[2 * i]) * xsum;
-}
-
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t group,
-                       const at::Tensor& scales_zeros) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && qweight.is_contiguous() &&
-                  qweight.scalar_type() == at::kByte, "int4_linear: expected x [M, K], packed uint8 w");
-  const int64_t M = x.size(0), K = x.size(1), O = qweight.size(0);
-  TORCH_CHECK(qweight.size(1) * 2 == K && O % 64 == 0 && K % group == 0,
-              "int4_linear: shape not in 64-row blocks of whole groups");
-  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == K / group && scales_zeros.size(1) == O,
-              "int4_linear: scales_zeros must be [K / G, O, 2]");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor sz = scales_zeros.to(at::kFloat).contiguous();
-  const int64_t G = K / group;
-  // Per row and group: sum of the activations (for the zero points).
-  std::vector<float> xsum(M * G, 0.f);
-  const float* xp = xf.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t k = 0; k < group; ++k) xsum[m * G + g] += xp[m * K + g * group + k];
-  auto out = at::empty({M, O}, x.options());
-  const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const float* szp = sz.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_linear", [&] {
-    auto* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, O / 64, 1, [&](int64_t b, int64_t e) {
-      float acc[64], total[64];
-      for (int64_t nb = b; nb < e; ++nb) {
-        const uint8_t* block = wp + nb * 64 * (K / 2);
-        for (int64_t m = 0; m < M; ++m) {
-          std::fill(total, total + 64, 0.f);
-          for (int64_t g = 0; g < G; ++g) {
-            std::fill(acc, acc + 64, 0.f);
-            int4_block_group(xp + m * K + g * group, block + g * group * 32, group, acc);
-            const float xs = xsum[m * G + g];
-            int4_block_scale(szp + (g * O + nb * 64) * 2, acc, xs, total);
-          }
-          for (int64_t i = 0; i < 64; ++i) op[m * O + nb * 64 + i] = static_cast<scalar_t>(total[i]);
-        }
-      }
-    });
-  });
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(dsinfer, m) {
@@ -371,7 +306,6 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor qweight, int group, Tensor scales_zeros) -> Tensor");
   m.def(
       "rope_decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, int num_heads, "
@@ -383,6 +317,5 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("int8_linear", &int8_linear);
-  m.impl("int4_linear", &int4_linear);
   m.impl("rope_decode_attention", &rope_decode_attention);
 }
