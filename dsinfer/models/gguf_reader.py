@@ -3,8 +3,10 @@
 The gguf package's GGUFReader builds a numpy view per metadata element: ~3 s for SmolLM2's
 49k tokens and 49k merges on this machine, paid at every start. This reader keeps only what
 dsinfer uses (values as Python objects, tensors as name, GGUF shape, type and a zero-copy byte
-view) and parses the same file in ~0.1 s. Format: https-free summary in docs/artifacts.md —
-magic, version, tensor and key/value counts, key/values, tensor infos, aligned data.
+view) and parses the same file in ~0.1 s. Layout (GGUF v2/v3, little-endian): magic "GGUF",
+u32 version, u64 tensor count, u64 key/value count; key/values (string key, u32 type, value);
+tensor infos (name, u32 dims, u64 sizes innermost first, u32 type, u64 offset); then the data,
+aligned to general.alignment (32), each tensor at its offset.
 """
 
 from __future__ import annotations
