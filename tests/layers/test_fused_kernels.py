@@ -143,4 +143,3 @@ def test_backend_choice_is_explained() -> None:
         resolve_backend("fused", torch.device("meta"))
     with pytest.raises(ValueError, match="unknown backend 'fast'"):
         resolve_backend("fast", torch.device("cpu"))
-
