@@ -176,7 +176,8 @@ def layer_format(scheme: str, layer: Linear, group_size: int) -> tuple[str, str]
     return scheme, ""
 
 
-def _apply_format(layer: Linear, fmt: str, group_size: int, dtype: torch.dtype) -> None:
+def apply_format(layer: Linear, fmt: str, group_size: int, dtype: torch.dtype) -> None:
+    """Quantise one float layer in place to `fmt` (int8 | int4)."""
     if fmt == "int8":
         tensors = quantize_int8(layer.weight, dtype)
     else:
@@ -211,7 +212,7 @@ def quantize_model(
     for name, layer in quantizable_linears(model):
         fmt = exceptions.get(name, scheme)
         if fmt != "float":
-            _apply_format(layer, fmt, group_size, dtype)
+            apply_format(layer, fmt, group_size, dtype)
     for _name, experts in routed_experts(model):
         experts.quantize_int8(dtype)
     return exceptions

@@ -61,6 +61,12 @@ def open_gguf(path: str | Path) -> GGUFFile:
     return _open_gguf(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
 
 
+def release_gguf_maps() -> None:
+    """Drop the cached readers: once the weights are copied out, the file's pages they mapped
+    need not stay resident (a reader parsed again later costs ~0.1 s)."""
+    _open_gguf.cache_clear()
+
+
 @functools.lru_cache(maxsize=4)
 def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
     return GGUFFile(path)
@@ -100,7 +106,7 @@ def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     )
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Invert llama.cpp's rotary row permutation: rows (h, d/2, 2) → (h, 2, d/2)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
@@ -157,10 +163,15 @@ def _fast_dequantize(data: np.ndarray, qname: str) -> torch.Tensor | None:
     return ((q - 8) * d).reshape(-1)
 
 
-def iter_gguf_tensors(reader: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF-style name, fp32 tensor) one at a time, so only one dequantised copy is live."""
+def iter_gguf_tensors(
+    reader: GGUFFile, cfg: ModelConfig, skip: frozenset[str] | set[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF-style name, fp32 tensor) one at a time, so only one dequantised copy is live;
+    tensors named in `skip` (GGUF names, loaded another way) are left out."""
     permute = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
+        if t.name in skip:
+            continue
         qname = t.tensor_type.name
         if qname not in _SUPPORTED_QTYPES:
             raise ValueError(
@@ -183,7 +194,7 @@ def iter_gguf_tensors(reader: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str,
             w = torch.from_numpy(arr)
         w = w.reshape(shape)
         if permute and name.endswith("q_proj.weight"):
-            w = _unpermute(w, cfg.num_heads)
+            w = unpermute_rows(w, cfg.num_heads)
         elif permute and name.endswith("k_proj.weight"):
-            w = _unpermute(w, cfg.num_kv_heads)
+            w = unpermute_rows(w, cfg.num_kv_heads)
         yield name, w

@@ -7,6 +7,7 @@ plus one tensor, never two copies of the model.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import logging
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dsinfer.config import ModelConfig, parse_dtype
+from dsinfer.distributed.parallel_state import get_tp
 from dsinfer.layers.linear import default_weight_loader
 from dsinfer.layers.quant import plan_formats, prepare_quantized, quantize_model
 from dsinfer.models.gguf_file import (
@@ -27,7 +29,9 @@ from dsinfer.models.gguf_file import (
     iter_gguf_tensors,
     native_scheme,
     open_gguf,
+    release_gguf_maps,
 )
+from dsinfer.models.gguf_int4 import finish_gguf_int4, pack_gguf_int4
 from dsinfer.models.registry import config_from_hf, model_class
 
 logger = logging.getLogger(__name__)
@@ -102,7 +106,20 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def int4_params(model: nn.Module) -> set[str]:
+    """Names of the int4 parameters already filled (checked off by load_weights)."""
+    return {n for n, p in model.named_parameters() if n.endswith((".qweight", ".scales_zeros"))}
+
+
+def unsplit() -> bool:
+    """One process holds the whole model (the direct int4 GGUF load packs whole layers)."""
+    state = get_tp()
+    return state.tp_size == 1 and state.pp_size == 1 and state.ep_size == 1
+
+
+def load_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], preloaded: set[str] = frozenset()
+) -> None:
     """Copy checkpoint tensors into `model`, mapping fused projections; fail on any mismatch.
 
     A parameter fused from several checkpoint tensors lists them in `param.shards`; a model may
@@ -118,6 +135,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     tied = getattr(getattr(model, "lm_head", None), "tied", False)
     if tied:
         expected.discard(("lm_head.weight", None))
+    expected = {(n, s) for n, s in expected if n not in preloaded}
+    params = {n: p for n, p in params.items() if n not in preloaded}
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     for ck_name, tensor in weights:
@@ -211,6 +230,15 @@ def fill_random_weights(model: nn.Module, seed: int) -> None:
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
+def release_freed_memory() -> None:
+    """Return the heap's free pages to the OS (glibc malloc_trim): without it, the float
+    copies a load-time quantisation frees stay in the process's resident set."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def resolve_quantization(requested: str, dtype: str | torch.dtype, native: str) -> str:
     """none | int8 | int4 for a load: see load_model."""
     if requested not in QUANTIZATIONS:
@@ -269,6 +297,13 @@ def load_model(
             finally:
                 torch.set_default_dtype(previous)
         fill_random_weights(net, seed)
+    elif reader is not None and scheme == "int4" and native_scheme(reader) == "int4" and unsplit():
+        # Q4 blocks are packed as they are; only the rest is dequantised (gguf_int4.py).
+        direct = pack_gguf_int4(net, reader, cfg, tdtype)
+        load_weights(net, iter_gguf_tensors(reader, cfg, skip=direct), preloaded=int4_params(net))
+        finish_gguf_int4(net, tdtype)
+        scheme = "none"  # done
+        release_freed_memory()
     elif reader is not None:
         load_weights(net, iter_gguf_tensors(reader, cfg))
     else:
@@ -276,7 +311,11 @@ def load_model(
     if scheme != "none" and not random_weights:
         quantize_model(net, scheme, 32, tdtype)
         logger.info("weights quantised to %s at load (groups of 32)", scheme)
+        release_freed_memory()  # the float weights just freed: give their pages back
     net.eval()
+    if reader is not None:
+        del reader
+        release_gguf_maps()
     logger.info(
         "loaded %s (%s, %s) in %.1fs", path, cfg.architecture, tdtype, time.perf_counter() - t0
     )

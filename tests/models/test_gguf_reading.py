@@ -41,3 +41,39 @@ def test_reader_equals_the_gguf_package_on_the_real_file(smol_path, tmp_path) ->
     (tmp_path / "bad.gguf").write_bytes(b"GGML" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFFile(tmp_path / "bad.gguf")
+
+
+@pytest.mark.parametrize("qname", ["Q4_0", "Q4_1"])
+def test_q4_blocks_are_our_int4_groups_exactly(qname: str) -> None:
+    """x = (q − 8)·scale + zero reproduces the GGUF's own dequantisation in fp32."""
+    from dsinfer.models.gguf_int4 import q4_blocks
+
+    qtype = gguf.GGMLQuantizationType[qname]
+    x = np.random.default_rng(1).standard_normal((6, 96)).astype(np.float32)
+    blocks = gguf.quants.quantize(x, qtype)
+    want = np.asarray(gguf.quants.dequantize(blocks, qtype), dtype=np.float32).reshape(6, 96)
+    q, scale, zero = q4_blocks(torch.from_numpy(blocks.copy().reshape(-1)), qname, rows=6)
+    got = (q.float() - 8).view(6, 3, 32) * scale[..., None] + zero[..., None]
+    torch.testing.assert_close(got.view(6, 96), torch.from_numpy(want), atol=1e-6, rtol=1e-6)
+
+
+def test_q4_gguf_loads_straight_into_int4(smol_path) -> None:
+    """The embedded Q4_1 GGUF: projections packed from its codes (no float copy), equal to
+    its dequantised weights up to the bf16 rounding of scale and zero."""
+    from dsinfer.models.gguf_file import iter_gguf_tensors, open_gguf
+    from dsinfer.models.loader import load_model, read_model_config
+
+    loaded = load_model("smollm2", quantization="auto")
+    assert loaded.dtype == torch.bfloat16
+    qkv = loaded.model.model.layers[0].self_attn.qkv_proj
+    assert not hasattr(qkv, "weight") and qkv.qweight.dtype == torch.uint8
+    cfg = read_model_config(smol_path)
+    q_proj = dict(iter_gguf_tensors(open_gguf(smol_path), cfg))[
+        "model.layers.0.self_attn.q_proj.weight"
+    ]
+    eye = torch.eye(qkv.in_features, dtype=torch.bfloat16)
+    ours = torch._weight_int4pack_mm_for_cpu(eye, qkv.qweight, 32, qkv.scales_zeros).t().float()
+    err = (ours[: q_proj.shape[0]] - q_proj).abs().max().item()
+    assert err <= 1e-2 * q_proj.abs().max().item(), err
+    head = loaded.model.lm_head
+    assert head.qweight.dtype == torch.int8  # the head keeps 8 bits
