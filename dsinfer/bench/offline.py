@@ -59,7 +59,20 @@ def _ours(args: argparse.Namespace, dtype: str) -> dict:
     outs = llm.generate(prompts, params)
     batch = time.perf_counter() - t0
     n_prompt = sum(len(o.prompt_token_ids) for o in outs) / len(outs)
-    return {"load_s": load, "single_s": single, "batch_s": batch, "prompt_tokens": n_prompt}
+    runner = llm.engine.executor.runner
+    schemes = {
+        getattr(getattr(m, "method", None), "scheme", "float")
+        for m in runner.model.modules()
+        if hasattr(m, "method")
+    }
+    return {
+        "load_s": load,
+        "single_s": single,
+        "batch_s": batch,
+        "prompt_tokens": n_prompt,
+        # What "dtype" meant for this run: a Q4 GGUF keeps int4 weights unless float32.
+        "config": f"{'+'.join(sorted(schemes))} weights, {runner.backend} backend",
+    }
 
 
 def _transformers(args: argparse.Namespace, dtype: str) -> dict:
@@ -168,7 +181,8 @@ def run_cli(args: argparse.Namespace) -> int:
         print(
             f"{engine:13s} {label:9s} single {r['single_tok_s']:7.1f} tok/s   "
             f"batch{args.batch} {r['batch_tok_s']:7.1f} tok/s   "
-            f"peak RSS {r['peak_rss_mib']:7.0f} MiB   load {r['load_s']:.1f}s",
+            f"peak RSS {r['peak_rss_mib']:7.0f} MiB   load {r['load_s']:.1f}s"
+            + (f"   ({r['config']})" if "config" in r else ""),
             flush=True,
         )
     by = {(r["engine"], r["dtype"]): r for r in rows}

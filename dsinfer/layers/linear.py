@@ -24,8 +24,9 @@ class LinearMethod:
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         raise NotImplementedError
 
-    def use_kernels(self, kernels_name: str, device_type: str) -> None:
-        """Pick kernels for the engine's backend (after loading); the default has one."""
+    def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
+        """Pick kernels for the engine's backend after loading (and prepare the layer's
+        tensors for them); the default has one kernel."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -106,7 +107,7 @@ class Linear(nn.Module):
             p.shards = list(self.shards)  # type: ignore[attr-defined]  # what the loader expects
 
     def use_kernels(self, kernels: Kernels, device_type: str) -> None:
-        self.method.use_kernels(kernels.name, device_type)
+        self.method.use_kernels(self, kernels.name, device_type)
 
     def set_method(self, method: LinearMethod) -> None:
         """Swap the weight format (artifact load, compile): drops the old weight tensors."""

@@ -44,6 +44,10 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
 # 2.8 ms for 576 → 49152 at one row; at 16 rows it also spares widening the weight each step)
 # and loses on narrow ones (call overhead dominates).
 _FUSED_INT8_MIN_OUT = 8192
+# Rows from which widening an int4 weight to bf16 for one dense GEMM beats torch's packed
+# kernel, whose time grows linearly past ~4 rows (576 → 3072: 4.1 ms packed vs 1.8 ms dense
+# at 160 rows); set from the measurement in docs/backends.md.
+_INT4_DENSE_FROM_ROWS = 48
 _FUSED_INT8_MAX_ROWS = 64
 
 
@@ -75,7 +79,7 @@ class Int8LinearMethod(LinearMethod):
     def __init__(self) -> None:
         self.fused = False  # the fused backend's kernels for wide layers (use_kernels)
 
-    def use_kernels(self, kernels_name: str, device_type: str) -> None:
+    def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
         self.fused = kernels_name == "fused" and device_type == "cpu"
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
@@ -98,6 +102,12 @@ class Int4LinearMethod(LinearMethod):
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
+        self.dense_rows = 0  # fused backend: widen to bf16 from this many rows (0: never)
+
+    def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
+        fused = kernels_name == "fused" and device_type == "cpu"
+        ok = fused and layer.out_features % 64 == 0 and torch.ops.dsinfer.int4_dense_supported()
+        self.dense_rows = _INT4_DENSE_FROM_ROWS if ok else 0
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         layer.qweight = nn.Parameter(
@@ -108,8 +118,16 @@ class Int4LinearMethod(LinearMethod):
         )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = _rows(x)
+        if self.dense_rows and flat.shape[0] >= self.dense_rows and flat.dtype == torch.bfloat16:
+            # Many rows (a prefill chunk): the packed kernel's time grows with every row, a
+            # dense GEMM's barely; the widened weight [in, out] lives for this call only.
+            wt = torch.ops.dsinfer.int4_dequantize_t(
+                layer.qweight, self.group_size, layer.scales_zeros
+            )
+            return _finish(flat @ wt, x, bias)
         y = torch._weight_int4pack_mm_for_cpu(
-            _rows(x), layer.qweight, self.group_size, layer.scales_zeros
+            flat, layer.qweight, self.group_size, layer.scales_zeros
         )
         return _finish(y, x, bias)
 

@@ -143,3 +143,21 @@ def test_backend_choice_is_explained() -> None:
         resolve_backend("fused", torch.device("meta"))
     with pytest.raises(ValueError, match="unknown backend 'fast'"):
         resolve_backend("fast", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("out_f,in_f,group", [(128, 64, 32), (192, 128, 64)])
+def test_int4_widening_for_prefill_equals_the_packed_kernel(out_f: int, in_f: int, group: int):
+    """Many rows take a dense GEMM over the widened weight: same values as torch's kernel."""
+    from dsinfer.layers.quant import quantize_int4
+
+    if not torch.ops.dsinfer.int4_dense_supported():
+        pytest.skip("no AVX512-BF16 on this CPU: every int4 call takes the packed kernel")
+    g = torch.Generator().manual_seed(3)
+    q = quantize_int4(torch.randn(out_f, in_f, generator=g) * 0.05, group, torch.bfloat16)
+    eye = torch.eye(in_f, dtype=torch.bfloat16)
+    want = torch._weight_int4pack_mm_for_cpu(eye, q["qweight"], group, q["scales_zeros"])
+    got = torch.ops.dsinfer.int4_dequantize_t(q["qweight"], group, q["scales_zeros"])
+    assert torch.equal(got, want)  # W^T exactly as the packed kernel sees it
+    x = torch.randn(64, in_f, generator=g).to(torch.bfloat16)
+    packed = torch._weight_int4pack_mm_for_cpu(x, q["qweight"], group, q["scales_zeros"])
+    torch.testing.assert_close((x @ got).float(), packed.float(), atol=2e-2, rtol=2e-2)

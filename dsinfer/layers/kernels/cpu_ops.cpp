@@ -21,20 +21,113 @@
 
 namespace {
 
+// Conversions written as plain bit arithmetic (c10's are branchy calls): loops over them
+// vectorise. bf16 → fp32 is exact; fp32 → bf16 rounds to nearest even, as torch does.
+inline float f32(float v) { return v; }
+inline float f32(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 template <typename T>
-inline float f32(T v) {
-  return static_cast<float>(v);
+inline T from_f32(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline c10::BFloat16 from_f32<c10::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint16_t out = v != v ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+  return c10::BFloat16(out, c10::BFloat16::from_bits());
+}
+
+// Hot loops run over the raw element type (bf16 as uint16_t bits): gcc does not vectorise
+// loads of the c10::BFloat16 struct, it does vectorise shifts of uint16_t.
+template <typename T>
+struct Raw {
+  using type = T;
+};
+template <>
+struct Raw<c10::BFloat16> {
+  using type = uint16_t;
+};
+template <typename T>
+using raw_t = typename Raw<T>::type;
+template <typename T>
+inline const raw_t<T>* raw(const T* p) {
+  return reinterpret_cast<const raw_t<T>*>(p);
+}
+template <typename T>
+inline raw_t<T>* raw(T* p) {
+  return reinterpret_cast<raw_t<T>*>(p);
+}
+inline float load_f(float v) { return v; }
+inline float load_f(double v) { return static_cast<float>(v); }
+inline float load_f(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename R>
+inline R store_f(float v) {
+  return static_cast<R>(v);
+}
+template <>
+inline uint16_t store_f<uint16_t>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return v != v ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// exp(x) (Cephes' expf: 2^n · e^r, |r| <= ln2 / 2, ~1 ulp) in plain arithmetic, so that the
+// loops using it vectorise (std::exp is a library call per element).
+inline float exp_f32(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
 }
 
 // out = weight * round(x * rsqrt(mean(x^2) + eps)), as the reference RMSNorm computes it:
 // statistics in fp32, the normalised row rounded to the activation dtype before the weight.
 template <typename T>
-void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+void rms_row(const T* xt, const T* wt, T* ot, int64_t n, float eps) {
+  using R = raw_t<T>;
+  const R* x = raw(xt);
+  const R* w = raw(wt);
+  R* out = raw(ot);
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += f32(x[i]) * f32(x[i]);
+  for (int64_t i = 0; i < n; ++i) ss += load_f(x[i]) * load_f(x[i]);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(f32(static_cast<T>(f32(x[i]) * inv)) * f32(w[i]));
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = store_f<R>(load_f(store_f<R>(load_f(x[i]) * inv)) * load_f(w[i]));
+}
+
+template <typename T>
+inline void add_row(const T* xt, const T* rt, T* ot, int64_t n) {
+  using R = raw_t<T>;
+  const R* x = raw(xt);
+  const R* r = raw(rt);
+  R* out = raw(ot);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = store_f<R>(load_f(x[i]) + load_f(r[i]));
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w) {
@@ -77,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     auto* sp = sum.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
-        for (int64_t i = 0; i < n; ++i) sp[r * n + i] = static_cast<scalar_t>(f32(xp[r * n + i]) + f32(rp[r * n + i]));
+        add_row(xp + r * n, rp + r * n, sp + r * n, n);
         rms_row(sp + r * n, wp, op + r * n, n, static_cast<float>(eps));
       }
     });
@@ -86,13 +179,17 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 template <typename T>
-inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+inline void silu_mul_row(const T* gt, const T* ut, T* ot, int64_t n) {
+  using R = raw_t<T>;
+  const R* g = raw(gt);
+  const R* u = raw(ut);
+  R* o = raw(ot);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     // Rounded where the reference rounds (silu, then the product): in bf16 a single rounding
     // is slightly more exact but moves SmolLM2's perplexity by ~1%, away from the oracle.
-    const float gv = f32(g[i]);
-    o[i] = static_cast<T>(f32(static_cast<T>(gv / (1.f + std::exp(-gv)))) * f32(u[i]));
+    const float gv = load_f(g[i]);
+    o[i] = store_f<R>(load_f(store_f<R>(gv / (1.f + exp_f32(-gv)))) * load_f(u[i]));
   }
 }
 
@@ -118,17 +215,30 @@ at::Tensor silu_mul(const at::Tensor& x) {
 
 // Dot product and axpy over one head, vectorised (the loop count is the head dim).
 template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
+inline float dot(const float* q, const T* kt, int64_t d) {
+  const raw_t<T>* k = raw(kt);
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * f32(k[i]);
+  for (int64_t i = 0; i < d; ++i) s += q[i] * load_f(k[i]);
   return s;
 }
 
 template <typename T>
-inline void axpy(float p, const T* v, float* acc, int64_t d) {
+inline void axpy(float p, const T* vt, float* acc, int64_t d) {
+  const raw_t<T>* v = raw(vt);
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += p * f32(v[i]);
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
+}
+
+// row[t] = exp(row[t] - m); returns the sum.
+inline float exp_row(float* row, int64_t n, float m) {
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) {
+    row[t] = exp_f32(row[t] - m);
+    total += row[t];
+  }
+  return total;
 }
 
 // NeoX rotary on one head: [x1 | x2] -> [x1 cos - x2 sin | x2 cos + x1 sin].
@@ -192,7 +302,7 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
         rotate(row + (H + kvh) * D, cp + pos * D, sp + pos * D, k.data(), D);
         const T* v = row + (H + KV + kvh) * D;
         for (int64_t d = 0; d < D; ++d) {
-          kc[slot + d] = static_cast<T>(k[d]);
+          kc[slot + d] = from_f32<T>(k[d]);
           vc[slot + d] = v[d];
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -211,7 +321,7 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
           float* sg = scores.data() + g * len;
           const float m = *std::max_element(sg, sg + len);
           float total = 0.f;
-          for (int64_t t = 0; t < len; ++t) total += (sg[t] = std::exp(sg[t] - m));
+          total = exp_row(sg, len, m);
           denom[g] = total;
         }
         for (int64_t t = 0; t < len; ++t) {
@@ -223,7 +333,7 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
         for (int64_t g = 0; g < G; ++g) {
           T* o = op + b * H * D + (kvh * G + g) * D;
           const float inv = 1.f / denom[g];
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv);
+          for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(acc[g * D + d] * inv);
         }
       }
     });
@@ -261,7 +371,7 @@ void int8_rows(const float* xp, const int8_t* wp, const float* sp, T* op, int64_
     float dots[M];
     for (int64_t o = b; o < e; ++o) {
       dot_i8_rows<M>(xp, wp + o * K, K, dots);
-      for (int m = 0; m < M; ++m) op[m * O + o] = static_cast<T>(dots[m] * sp[o]);  // row stride O
+      for (int m = 0; m < M; ++m) op[m * O + o] = from_f32<T>(dots[m] * sp[o]);  // row stride O
     }
   });
 }
@@ -299,6 +409,64 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
+// ---- int4 → dense bf16 for many rows (prefill) --------------------------------------------
+// torch's CPU int4pack layout: outputs in blocks of 64; per block and input column k, 32 bytes
+// whose low nibbles are outputs 0..31 and high nibbles outputs 32..63; scales_zeros [K/G, O, 2]
+// with W = (q - 8) * scale + zero. The transposed weight W^T [K, O] is written row by row: each
+// (block, k) is 64 consecutive outputs, so the writes are sequential and vectorise.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+inline void dequant16(__m128i codes, const float* s, const float* z, c10::BFloat16* out) {
+  const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+  const __m512 w = _mm512_fmadd_ps(_mm512_sub_ps(q, _mm512_set1_ps(8.f)), _mm512_loadu_ps(s), _mm512_loadu_ps(z));
+  _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(w));
+}
+#endif
+
+bool int4_dense_supported() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int4_dequantize_t(const at::Tensor& qweight, int64_t group, const at::Tensor& scales_zeros) {
+  TORCH_CHECK(int4_dense_supported(), "int4_dequantize_t: this build has no AVX512-BF16");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
+              "int4_dequantize_t: packed uint8 [O, K / 2] expected");
+  const int64_t O = qweight.size(0), K = qweight.size(1) * 2, G = K / group;
+  TORCH_CHECK(O % 64 == 0 && group > 0 && K % group == 0, "int4_dequantize_t: O % 64, K % G");
+  TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == G && scales_zeros.size(1) == O &&
+                  scales_zeros.size(2) == 2, "int4_dequantize_t: scales_zeros [K / G, O, 2]");
+  // [G, 2, O] fp32: scales and zeros each contiguous along the outputs.
+  const at::Tensor sz = scales_zeros.to(at::kFloat).permute({0, 2, 1}).contiguous();
+  auto out = at::empty({K, O}, qweight.options().dtype(at::kBFloat16));
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const float* szp = sz.data_ptr<float>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, K, 16, [&](int64_t kb, int64_t ke) {
+    for (int64_t k = kb; k < ke; ++k) {
+      const float* s = szp + (k / group) * 2 * O;
+      const float* z = s + O;
+      for (int64_t nb = 0; nb < O / 64; ++nb) {
+        const uint8_t* c = wp + nb * 64 * (K / 2) + k * 32;
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)c);
+        const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
+        c10::BFloat16* o = op + k * O + nb * 64;
+        const int64_t n = nb * 64;
+        dequant16(_mm256_castsi256_si128(lo), s + n, z + n, o);
+        dequant16(_mm256_extracti128_si256(lo, 1), s + n + 16, z + n + 16, o + 16);
+        dequant16(_mm256_castsi256_si128(hi), s + n + 32, z + n + 32, o + 32);
+        dequant16(_mm256_extracti128_si256(hi, 1), s + n + 48, z + n + 48, o + 48);
+      }
+    }
+  });
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dsinfer, m) {
@@ -306,16 +474,21 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("int4_dequantize_t(Tensor qweight, int group, Tensor scales_zeros) -> Tensor");
+  m.def("int4_dense_supported() -> bool");
   m.def(
       "rope_decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, int num_heads, "
       "int num_kv_heads, float scale) -> Tensor");
 }
 
+TORCH_LIBRARY_IMPL(dsinfer, CatchAll, m) { m.impl("int4_dense_supported", &int4_dense_supported); }
+
 TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("int8_linear", &int8_linear);
+  m.impl("int4_dequantize_t", &int4_dequantize_t);
   m.impl("rope_decode_attention", &rope_decode_attention);
 }
