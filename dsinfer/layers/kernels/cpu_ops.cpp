@@ -22,31 +22,9 @@
 
 namespace {
 
-// Conversions written as plain bit arithmetic (c10's are branchy calls): loops over them
-// vectorise. bf16 → fp32 is exact; fp32 → bf16 rounds to nearest even, as torch does.
-inline float f32(float v) { return v; }
-inline float f32(c10::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-template <typename T>
-inline T from_f32(float v) {
-  return static_cast<T>(v);
-}
-template <>
-inline c10::BFloat16 from_f32<c10::BFloat16>(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const uint16_t out = v != v ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
-  return c10::BFloat16(out, c10::BFloat16::from_bits());
-}
-
-// Hot loops run over the raw element type (bf16 as uint16_t bits): gcc does not vectorise
-// loads of the c10::BFloat16 struct, it does vectorise shifts of uint16_t.
+// Conversions written as plain bit arithmetic (c10's are branchy calls), over the raw element
+// type (bf16 as uint16_t bits): gcc vectorises loops of shifts of uint16_t, not loads of the
+// c10::BFloat16 struct. bf16 → fp32 is exact; fp32 → bf16 rounds to nearest even, as torch.
 template <typename T>
 struct Raw {
   using type = T;
@@ -83,6 +61,18 @@ inline uint16_t store_f<uint16_t>(float v) {
   std::memcpy(&bits, &v, sizeof(bits));
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   return v != v ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// The same on element values, for the scalar code.
+inline float f32(float v) { return v; }
+inline float f32(c10::BFloat16 v) { return load_f(v.x); }
+template <typename T>
+inline T from_f32(float v) {
+  return static_cast<T>(v);
+}
+template <>
+inline c10::BFloat16 from_f32<c10::BFloat16>(float v) {
+  return c10::BFloat16(store_f<uint16_t>(v), c10::BFloat16::from_bits());
 }
 
 // exp(x) (Cephes' expf: 2^n · e^r, |r| <= ln2 / 2, ~1 ulp) in plain arithmetic, so that the
