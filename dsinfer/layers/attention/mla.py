@@ -42,8 +42,7 @@ class MLAPagedAttention(AttentionBackend):
         """q_nope [T, H, nope], q_pe [T, H, rope], latent [T, lora + rope] (this step's tokens),
         cache [blocks, bs, lora + rope], kv_b: kv_b_proj weight [H·(nope + v), lora] → [T, H, v]."""
         cache[meta.slot_blocks, meta.slot_offsets] = latent.to(cache.dtype)
-        w = kv_b.float().view(self.h, self.nope + self.v, self.lora)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, lora], [H, v, lora]
+        w_uk, w_uv = self._split_kv_b(kv_b)
         out = torch.empty(q_nope.shape[0], self.h, self.v, dtype=q_nope.dtype, device=q_nope.device)
         nd = meta.num_decode
         if nd:
@@ -60,6 +59,17 @@ class MLAPagedAttention(AttentionBackend):
                 q_nope[rows], q_pe[rows], ctx, w_uk, w_uv, p.ctx_len - p.q_len
             ).to(out.dtype)
         return out
+
+    def _split_kv_b(self, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's key and value halves in fp32: [H, nope, lora], [H, v, lora]. Converted
+        once per weight tensor (its storage), not on every forward of every layer; weights are
+        loaded before the first forward and never written in place after it."""
+        key = (kv_b.data_ptr(), kv_b.dtype, tuple(kv_b.shape))
+        if getattr(self, "_kv_b_key", None) != key:
+            w = kv_b.float().view(self.h, self.nope + self.v, self.lora)
+            self._kv_b_split = (w[:, : self.nope].contiguous(), w[:, self.nope :].contiguous())
+            self._kv_b_key = key
+        return self._kv_b_split
 
     def _naive(self, q_nope, q_pe, ctx, w_uk, w_uv, num_before: int) -> torch.Tensor:  # noqa: ANN001
         """One sequence: q [Q, H, ·], ctx [C, lora + rope] → [Q, H, v]."""
