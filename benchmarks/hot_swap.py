@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from dsinfer.bench.stats import percentile, rss_mib
+from dsinfer.bench.stats import percentile, rss_mib, wait_healthy
 
 ADMIN = "bench-admin"
 
@@ -101,12 +101,7 @@ def main() -> int:
         stderr=subprocess.DEVNULL,
     )
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(url, server, timeout=600)
         rss_one = rss_mib(server.pid)
         load = Load(url, args.clients)
         for t in load.threads:

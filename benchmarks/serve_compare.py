@@ -24,34 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from dsinfer.bench.serve import report, run_load
+from dsinfer.bench.stats import peak_rss_mib, wait_healthy
 from dsinfer.models.loader import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = ROOT.parent / "shared" / "tools" / "build_llama_server.sh"
-
-
-def peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> float:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy after {timeout}s")
 
 
 def load_levels(url: str, levels: list[int], args: argparse.Namespace) -> dict[int, dict]:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from dsinfer.bench.stats import percentile, rss_mib
+from dsinfer.bench.stats import percentile, rss_mib, wait_healthy
 
 ADMIN = "soak-admin"
 SHORT = "Write one sentence about the sea."
@@ -267,15 +267,7 @@ def main() -> int:
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
+        wait_healthy(url, server, timeout=600)
         samples: list[Sample] = []
         stop = threading.Event()
         t0 = time.monotonic()

@@ -1,7 +1,9 @@
-"""Percentiles and report formatting shared by the benchmarks."""
+"""Percentiles, process memory and server start-up shared by the benchmarks."""
 
 from __future__ import annotations
 
+import subprocess
+import time
 from pathlib import Path
 
 
@@ -25,12 +27,40 @@ def summarize(values: list[float]) -> dict[str, float]:
     }
 
 
-def rss_mib(pid: int) -> float:
-    """Resident set size of a process (Linux /proc), MiB; NaN where it cannot be read."""
+def _status_mib(pid: int, field: str) -> float:
+    """A kB field of /proc/PID/status in MiB; NaN where it cannot be read."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
     return float("nan")
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size of a process now (Linux /proc), MiB."""
+    return _status_mib(pid, "VmRSS")
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The highest resident set size the process has had (VmHWM), MiB."""
+    return _status_mib(pid, "VmHWM")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> float:
+    """Poll `url`/health until it answers 200; seconds it took. Raises if the server process
+    exits first or `timeout` passes (a benchmark against a dead server measures nothing)."""
+    import httpx
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not healthy after {timeout}s")

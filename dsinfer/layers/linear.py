@@ -40,6 +40,16 @@ class UnquantizedLinearMethod(LinearMethod):
         return F.linear(x, layer.weight, bias)
 
 
+def fused_target(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+    """Checkpoint parameter name → (our parameter name, shard) under a model's
+    `packed_modules` rule: "….q_proj.weight" → ("….qkv_proj.weight", "q")."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in packed:
+        module, shard = packed[parts[-2]]
+        return ".".join([*parts[:-2], module, parts[-1]]), shard
+    return name, None
+
+
 def default_weight_loader(
     param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None
 ) -> None:

@@ -44,11 +44,16 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
 # 2.8 ms for 576 → 49152 at one row; at 16 rows it also spares widening the weight each step)
 # and loses on narrow ones (call overhead dominates).
 _FUSED_INT8_MIN_OUT = 8192
+_FUSED_INT8_MAX_ROWS = 64
 # Rows from which widening an int4 weight to bf16 for one dense GEMM beats torch's packed
 # kernel, whose time grows linearly past ~4 rows (576 → 3072: 4.1 ms packed vs 1.8 ms dense
 # at 160 rows); set from the measurement in docs/backends.md.
 _INT4_DENSE_FROM_ROWS = 48
-_FUSED_INT8_MAX_ROWS = 64
+
+
+def _fused_cpu(kernels_name: str, device_type: str) -> bool:
+    """The fused backend on CPU: where this file's fused kernels run."""
+    return kernels_name == "fused" and device_type == "cpu"
 
 
 def int8_mm(
@@ -80,7 +85,7 @@ class Int8LinearMethod(LinearMethod):
         self.fused = False  # the fused backend's kernels for wide layers (use_kernels)
 
     def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
-        self.fused = kernels_name == "fused" and device_type == "cpu"
+        self.fused = _fused_cpu(kernels_name, device_type)
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         layer.qweight = nn.Parameter(
@@ -105,8 +110,11 @@ class Int4LinearMethod(LinearMethod):
         self.dense_rows = 0  # fused backend: widen to bf16 from this many rows (0: never)
 
     def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
-        fused = kernels_name == "fused" and device_type == "cpu"
-        ok = fused and layer.out_features % 64 == 0 and torch.ops.dsinfer.int4_dense_supported()
+        ok = (
+            _fused_cpu(kernels_name, device_type)
+            and layer.out_features % 64 == 0
+            and torch.ops.dsinfer.int4_dense_supported()
+        )
         self.dense_rows = _INT4_DENSE_FROM_ROWS if ok else 0
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:

@@ -18,7 +18,7 @@ from dsinfer.config import ModelConfig
 from dsinfer.distributed.parallel_state import get_tp
 from dsinfer.layers.attention import AttentionMetadata, make_attention
 from dsinfer.layers.kernels import Kernels
-from dsinfer.layers.linear import Linear
+from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.moe import DeepseekMoE, MoEConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, StepRope, apply_rotary, yarn_mscale
@@ -212,12 +212,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             if mapped is None:
                 return "", None
             name = mapped
-            if _EXPERT.match(name) is None:
-                parts = name.split(".")
-                if parts[-2] in self.packed_modules:  # the shared experts' gate|up
-                    module, shard = self.packed_modules[parts[-2]]
-                    return ".".join([*parts[:-2], module, parts[-1]]), shard
-                return name, None
+            if _EXPERT.match(name) is None:  # the shared experts' gate|up are fused
+                return fused_target(name, self.packed_modules)
         m = _EXPERT.match(name)
         if m is None:
             return None

@@ -54,9 +54,8 @@ _GLOBAL_NAMES = {
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """A GGUFReader for `path`, parsed once per process and file version: parsing the metadata
-    (SmolLM2's 49k tokens and 49k merges) takes seconds, and config, weights and tokenizer
-    each need it. The reader maps the file; tensors are read from the map when used."""
+    """The GGUF file at `path`, parsed once per process and file version: config, weights and
+    tokenizer each need it. The file is mapped; tensors are read from the map when used."""
     st = os.stat(path)
     return _open_gguf(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
 
@@ -112,6 +111,15 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def permuted_heads(name: str, cfg: ModelConfig) -> int | None:
+    """Heads of a tensor llama.cpp stored with permuted rows (Llama's q and k), else None."""
+    if cfg.architecture != "LlamaForCausalLM":
+        return None
+    if name.endswith("q_proj.weight"):
+        return cfg.num_heads
+    return cfg.num_kv_heads if name.endswith("k_proj.weight") else None
+
+
 def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -142,25 +150,30 @@ def native_scheme(reader: GGUFFile) -> str:
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
+def q4_codes(
+    data: np.ndarray, qname: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A Q4_0 / Q4_1 tensor's blocks of 32 → codes [blocks, 32] (uint8, 0..15), the fp16 scale
+    d and, for Q4_1, the minimum m as fp32 [blocks, 1]. Q4_0 x = d·(q − 8); Q4_1 x = d·q + m.
+    The codes of weights 0..15 are the low nibbles of the 16 code bytes, 16..31 the high ones."""
+    raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).view(-1, _BLOCK_BYTES[qname])
+    d = raw[:, 0:2].contiguous().view(torch.float16).float()
+    codes = raw[:, 4:] if qname == "Q4_1" else raw[:, 2:]
+    m = raw[:, 2:4].contiguous().view(torch.float16).float() if qname == "Q4_1" else None
+    return torch.cat([codes & 15, codes >> 4], dim=1), d, m
+
+
 def _fast_dequantize(data: np.ndarray, qname: str) -> torch.Tensor | None:
     """Q4_0 / Q4_1 / Q8_0 blocks → flat fp32 with torch's vectorised ops (the gguf package's
-    numpy path took ~5 s for SmolLM2, this ~0.3 s); None for other types. A block of 32:
-    Q8_0 x = d·q (q int8); Q4_0 x = d·(q − 8); Q4_1 x = d·q + m, where the 4-bit codes of
-    weights 0..15 are the low nibbles of the 16 code bytes and weights 16..31 the high ones."""
-    size = _BLOCK_BYTES.get(qname)
-    if size is None:
-        return None
-    raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).view(-1, size)
-    d = raw[:, 0:2].contiguous().view(torch.float16).float()  # [blocks, 1]
+    numpy path took ~5 s for SmolLM2, this ~0.3 s); None for other types. Q8_0 x = d·q."""
     if qname == "Q8_0":
+        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).view(-1, 34)
+        d = raw[:, 0:2].contiguous().view(torch.float16).float()
         return (raw[:, 2:].contiguous().view(torch.int8).float() * d).reshape(-1)
-    start = 4 if qname == "Q4_1" else 2
-    codes = raw[:, start:]
-    q = torch.cat([codes & 15, codes >> 4], dim=1).float()  # [blocks, 32]
-    if qname == "Q4_1":
-        m = raw[:, 2:4].contiguous().view(torch.float16).float()
-        return (q * d + m).reshape(-1)
-    return ((q - 8) * d).reshape(-1)
+    if qname not in ("Q4_0", "Q4_1"):
+        return None
+    q, d, m = q4_codes(data, qname)
+    return (q.float() * d + m if m is not None else (q.float() - 8) * d).reshape(-1)
 
 
 def iter_gguf_tensors(
@@ -168,7 +181,6 @@ def iter_gguf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF-style name, fp32 tensor) one at a time, so only one dequantised copy is live;
     tensors named in `skip` (GGUF names, loaded another way) are left out."""
-    permute = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
         if t.name in skip:
             continue
@@ -193,8 +205,5 @@ def iter_gguf_tensors(
                 arr = arr.copy()
             w = torch.from_numpy(arr)
         w = w.reshape(shape)
-        if permute and name.endswith("q_proj.weight"):
-            w = unpermute_rows(w, cfg.num_heads)
-        elif permute and name.endswith("k_proj.weight"):
-            w = unpermute_rows(w, cfg.num_kv_heads)
-        yield name, w
+        heads = permuted_heads(name, cfg)
+        yield name, w if heads is None else unpermute_rows(w, heads)

@@ -13,30 +13,26 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.layers.linear import Linear
+from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.quant import apply_format, plan_formats, quant_method, quantizable_linears
-from dsinfer.models.gguf_file import _BLOCK_BYTES, hf_name, unpermute_rows
+from dsinfer.models.gguf_file import hf_name, permuted_heads, q4_codes, unpermute_rows
 from dsinfer.models.gguf_reader import GGUFFile
 
 logger = logging.getLogger(__name__)
 GROUP = 32
 
 
-def q4_blocks(data: torch.Tensor, qname: str, rows: int) -> tuple[torch.Tensor, ...]:
+def q4_blocks(data: np.ndarray, qname: str, rows: int) -> tuple[torch.Tensor, ...]:
     """One Q4_0/Q4_1 tensor's bytes → codes [rows, K] (int32, 0..15), scale and zero
     [rows, K / 32] fp32 such that x = (q − 8)·scale + zero."""
-    raw = data.view(-1, _BLOCK_BYTES[qname])  # [blocks, bytes]
-    d = raw[:, 0:2].contiguous().view(torch.float16).float().view(rows, -1)
-    codes = raw[:, 4:] if qname == "Q4_1" else raw[:, 2:]
-    q = torch.cat([codes & 15, codes >> 4], dim=1).to(torch.int32).view(rows, -1)
-    if qname == "Q4_1":
-        m = raw[:, 2:4].contiguous().view(torch.float16).float().view(rows, -1)
-        return q, d, m + 8 * d
-    return q, d, torch.zeros_like(d)
+    q, d, m = q4_codes(data, qname)
+    zero = m + 8 * d if m is not None else torch.zeros_like(d)
+    return q.to(torch.int32).view(rows, -1), d.view(rows, -1), zero.view(rows, -1)
 
 
 def pack_gguf_int4(
@@ -48,21 +44,19 @@ def pack_gguf_int4(
     layers = {n: m for n, m in quantizable_linears(net) if formats.get(n, "int4") == "int4"}
     packed: dict[str, tuple[str, str]] = getattr(net, "packed_modules", {})
     pending: dict[str, dict[str | None, tuple[torch.Tensor, ...]]] = {}
-    direct = {
-        t.name
-        for t in reader.tensors
-        if t.tensor_type.name in ("Q4_0", "Q4_1") and _target(hf_name(t.name), packed)[0] in layers
-    }
-    permute = cfg.architecture == "LlamaForCausalLM"
+    direct: set[str] = set()
     for t in reader.tensors:
-        if t.name not in direct:
-            continue
         name = hf_name(t.name)
-        module, shard = _target(name, packed)
-        rows = int(t.shape[1])
-        q, scale, zero = q4_blocks(torch.from_numpy(t.data.copy()), t.tensor_type.name, rows)
-        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_heads if name.endswith("q_proj.weight") else cfg.num_kv_heads
+        if t.tensor_type.name not in ("Q4_0", "Q4_1") or name is None:
+            continue
+        target, shard = fused_target(name, packed)
+        module = target.removesuffix(".weight")
+        if module not in layers or not target.endswith(".weight"):
+            continue
+        direct.add(t.name)
+        q, scale, zero = q4_blocks(t.data, t.tensor_type.name, rows=int(t.shape[1]))
+        heads = permuted_heads(name, cfg)
+        if heads is not None:
             q, scale, zero = (unpermute_rows(x, heads) for x in (q, scale, zero))
         pending.setdefault(module, {})[shard] = (q, scale, zero)
         layer = layers[module]
@@ -81,17 +75,6 @@ def finish_gguf_int4(net: nn.Module, dtype: torch.dtype) -> None:
         if fmt == "int8":
             apply_format(layer, fmt, GROUP, dtype)
     logger.info("GGUF Q4 weights loaded as int4 without a float copy")
-
-
-def _target(name: str | None, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
-    """Checkpoint name → (our Linear module's name, shard) under the packed-module rule."""
-    if name is None or not name.endswith(".weight"):
-        return "", None
-    parts = name.split(".")
-    if parts[-2] in packed:
-        module, shard = packed[parts[-2]]
-        return ".".join(parts[:-2] + [module]), shard
-    return ".".join(parts[:-1]), None
 
 
 def _pack(layer: Linear, shards: dict[str | None, tuple[torch.Tensor, ...]], dtype) -> None:  # noqa: ANN001

@@ -22,7 +22,7 @@ from torch import nn
 
 from dsinfer.config import ModelConfig, parse_dtype
 from dsinfer.distributed.parallel_state import get_tp
-from dsinfer.layers.linear import default_weight_loader
+from dsinfer.layers.linear import default_weight_loader, fused_target
 from dsinfer.layers.quant import plan_formats, prepare_quantized, quantize_model
 from dsinfer.models.gguf_file import (
     config_from_gguf,
@@ -148,11 +148,7 @@ def load_weights(
             if not target:
                 continue
         else:
-            target, shard = ck_name, None
-            parts = ck_name.split(".")
-            if len(parts) >= 2 and parts[-2] in packed:
-                module, shard = packed[parts[-2]]
-                target = ".".join(parts[:-2] + [module, parts[-1]])
+            target, shard = fused_target(ck_name, packed)
         if target not in params:
             unexpected.append(ck_name)
             continue
@@ -282,7 +278,8 @@ def load_model(
     if configure is not None and enable_mtp and not path.is_file():
         cfg = configure(cfg, None if random_weights else checkpoint_names(path))
     reader = open_gguf(path) if path.is_file() and not random_weights else None
-    scheme = resolve_quantization(quantization, dtype, native_scheme(reader) if reader else "none")
+    native = native_scheme(reader) if reader is not None else "none"
+    scheme = resolve_quantization(quantization, dtype, native)
     if scheme != "none" and dtype == "auto":
         dtype = torch.bfloat16  # the packed int8/int4 CPU kernels are vectorised for bf16
     tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)
@@ -297,7 +294,7 @@ def load_model(
             finally:
                 torch.set_default_dtype(previous)
         fill_random_weights(net, seed)
-    elif reader is not None and scheme == "int4" and native_scheme(reader) == "int4" and unsplit():
+    elif reader is not None and scheme == "int4" and native == "int4" and unsplit():
         # Q4 blocks are packed as they are; only the rest is dequantised (gguf_int4.py).
         direct = pack_gguf_int4(net, reader, cfg, tdtype)
         load_weights(net, iter_gguf_tensors(reader, cfg, skip=direct), preloaded=int4_params(net))

@@ -52,7 +52,7 @@ def test_q4_blocks_are_our_int4_groups_exactly(qname: str) -> None:
     x = np.random.default_rng(1).standard_normal((6, 96)).astype(np.float32)
     blocks = gguf.quants.quantize(x, qtype)
     want = np.asarray(gguf.quants.dequantize(blocks, qtype), dtype=np.float32).reshape(6, 96)
-    q, scale, zero = q4_blocks(torch.from_numpy(blocks.copy().reshape(-1)), qname, rows=6)
+    q, scale, zero = q4_blocks(blocks.reshape(-1), qname, rows=6)
     got = (q.float() - 8).view(6, 3, 32) * scale[..., None] + zero[..., None]
     torch.testing.assert_close(got.view(6, 96), torch.from_numpy(want), atol=1e-6, rtol=1e-6)
 

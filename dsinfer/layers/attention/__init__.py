@@ -10,7 +10,7 @@ from dsinfer.layers.attention.backend import (
 )
 from dsinfer.layers.attention.fused_cpu import FusedCpuPagedAttention
 from dsinfer.layers.attention.mla import MLAPagedAttention
-from dsinfer.layers.attention.registry import attention_class, implemented, make_attention
+from dsinfer.layers.attention.registry import attention_class, make_attention
 from dsinfer.layers.attention.torch_paged import TorchPagedAttention
 
 __all__ = [
@@ -22,6 +22,5 @@ __all__ = [
     "PrefillSeq",
     "TorchPagedAttention",
     "attention_class",
-    "implemented",
     "make_attention",
 ]

@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from dsinfer.layers.rotary import StepRope
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillSeq:
@@ -64,7 +66,6 @@ class AttentionBackend(abc.ABC):
     for a kind and the selected backend (`rebuilt`) replaces the reference after loading."""
 
     kind: ClassVar[str]
-    backend: ClassVar[str] = "reference"
 
     def __init__(self, **shape: Any) -> None:
         self.shape = shape
@@ -95,7 +96,7 @@ class MHABackend(AttentionBackend):
     def forward_qkv(
         self,
         qkv: torch.Tensor,
-        rope: Any,
+        rope: StepRope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:

@@ -20,14 +20,9 @@ T = TypeVar("T", bound=type)
 def register_attention(backend: str, device_type: str, kind: str) -> Callable[[T], T]:
     def register(cls: T) -> T:
         _REGISTRY[(backend, device_type, kind)] = cls
-        cls.backend = backend  # type: ignore[attr-defined]
         return cls
 
     return register
-
-
-def implemented(backend: str, device_type: str, kind: str) -> bool:
-    return (backend, device_type, kind) in _REGISTRY or (backend, "any", kind) in _REGISTRY
 
 
 def attention_class(backend: str, device_type: str, kind: str) -> type:

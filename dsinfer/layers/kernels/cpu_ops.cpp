@@ -189,6 +189,10 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// Element types the AVX-512 loops load and store (load16 / store16 below).
+template <typename T>
+constexpr bool kAvxElement = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
@@ -213,7 +217,7 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
   // is slightly more exact but moves SmolLM2's perplexity by ~1%, away from the oracle.
   int64_t i = 0;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (kAvxElement<T>) {
     for (; i + 16 <= n; i += 16) {
       const __m512 gv = load16(g + i);
       const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
@@ -279,12 +283,15 @@ inline float exp_row(float* row, int64_t n, float m) {
 // Scores and the probability-weighted value sum of one (sequence, KV head), head dim a
 // multiple of 16 up to 128: a query head's accumulators stay in registers across the tokens
 // (the generic loops keep them in memory). False: the caller runs the generic loops.
+// Whole 16-lane vectors per head row, at most 8 of them (the register arrays below).
+inline bool avx_head_dim(int64_t D) { return D % 16 == 0 && D <= 128; }
+
 template <typename T, typename Rows>
 bool head_scores(const float* q, int64_t G, int64_t D, int64_t len, const Rows& key, float sc,
                  float* scores) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    if (D % 16 || D > 128) return false;
+  if constexpr (kAvxElement<T>) {
+    if (!avx_head_dim(D)) return false;
     const int64_t V = D / 16;
     for (int64_t g = 0; g < G; ++g) {
       __m512 qv[8];
@@ -306,8 +313,8 @@ template <typename T, typename Rows>
 bool head_values(const float* probs, int64_t G, int64_t D, int64_t len, const Rows& value,
                  float* out) {
 #if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-    if (D % 16 || D > 128) return false;
+  if constexpr (kAvxElement<T>) {
+    if (!avx_head_dim(D)) return false;
     const int64_t V = D / 16;
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc[8];
