@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from dsinfer.structured.spec import StructuredOutputs
+
 _MAX_LOGPROBS = 20
 # Seeds are int64 (OpenAI's range; torch.Generator takes no more).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -35,6 +37,8 @@ class SamplingParams:
     # OpenAI semantics: token id → bias in [-100, 100] added to that token's logit before
     # sampling (and before logprobs, so -100 shows the token as banned).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Constrained decoding: the output must match this (JSON schema, regex, choice, grammar).
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +88,13 @@ class SamplingParams:
             "seed",
             f"must be a 64-bit signed integer, got {self.seed}",
         )
+        if self.structured is not None:
+            # The grammar decides where the output ends (only end-of-turn tokens are allowed
+            # once it is complete): a rule that hides or delays those tokens would break it.
+            _check(not self.ignore_eos, "ignore_eos", "cannot be combined with structured outputs")
+            _check(
+                self.min_tokens == 0, "min_tokens", "cannot be combined with structured outputs"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(
@@ -106,6 +117,7 @@ class SamplingParams:
             and self.logprobs is None
             and not self.stop
             and not self.logit_bias
+            and self.structured is None
         )
 
     @property

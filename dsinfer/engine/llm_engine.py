@@ -22,6 +22,7 @@ from dsinfer.engine.request import Request, RequestStatus
 from dsinfer.engine.scheduler import Scheduler, StepUpdate
 from dsinfer.models.loader import EMBEDDED_MODELS, LoadedModel, resolve_model_path
 from dsinfer.sampling import SamplingParams, check_token_ids
+from dsinfer.structured import compiler_for
 from dsinfer.tokenizer import Tokenizer, load_tokenizer
 from dsinfer.worker.executor import UniprocExecutor
 from dsinfer.worker.multiproc_executor import MultiprocExecutor, world_size
@@ -75,6 +76,10 @@ class LLMEngine:
             if config.tokenizer
             else loaded.tokenizer_path or loaded.path
         )
+        # Structured outputs: one grammar compiler (and cache) per tokenizer, shared with the
+        # server, which compiles a request's grammar before queueing it.
+        self.grammars = compiler_for(self.tokenizer, loaded.config.vocab_size)
+        self.executor.runner.use_grammars(self.grammars)
         self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
         logger.info("KV cache: %d bytes per token (%s)", self.kv_bytes_per_token, loaded.dtype)
         self.block_size = config.cache.block_size
@@ -120,6 +125,8 @@ class LLMEngine:
                 f"the prompt needs {len(ids) + 1} KV slots but the whole KV pool holds "
                 f"{pool_tokens}; raise --kv-cache-memory"
             )
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # ValueError for a bad constraint
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.tokenizer.eos_token_ids, self.max_model_len)
         self.scheduler.add_request(req)

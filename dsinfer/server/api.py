@@ -160,6 +160,7 @@ def build_app(
         authorize(request)
         body = await body_of(request, schema)
         served = pick(request, body.model, body.user)
+        await served.prepare_constraint(body)  # before admit: no await between it and submit
         admit(served, body.num_generations())
         try:
             result = await run(served, body, metrics, request)

@@ -87,8 +87,9 @@ async def chat_completion(
     )
     max_tokens = served.check_lengths(len(ids), requested, param, "messages")
     top = body.top_logprobs if body.top_logprobs is not None else 0
+    structured = served.constraint(body)
     try:
-        params = body.sampling(max_tokens, top if body.logprobs else None)
+        params = body.sampling(max_tokens, top if body.logprobs else None, structured=structured)
     except ValueError as e:
         raise APIError(400, str(e)) from None
     all_params = split_samples(params, body.n)

@@ -53,13 +53,16 @@ async def completion(
         raise APIError(
             400, "streaming takes one prompt; send a list without stream", param="prompt"
         )
+    structured = served.constraint(body)
     jobs = []
     for p_index, prompt in enumerate(prompts):
         ids = _encode(served, prompt)
         max_tokens = served.check_lengths(len(ids), body.max_tokens, "max_tokens")
         plp = body.logprobs if (body.echo and body.logprobs is not None) else None
         try:
-            params = body.sampling(max_tokens, body.logprobs, prompt_logprobs=plp)
+            params = body.sampling(
+                max_tokens, body.logprobs, prompt_logprobs=plp, structured=structured
+            )
         except ValueError as e:
             raise APIError(400, str(e)) from None
         jobs.append((p_index, ids, split_samples(params, body.n)))

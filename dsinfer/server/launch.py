@@ -49,6 +49,7 @@ def version_builder(args: argparse.Namespace) -> Callable[[str, str], ServedMode
             engine.max_model_len,
             version=engine.version,
             reasoning=supports_reasoning(engine.tokenizer),
+            grammars=engine.grammars,
         )
 
     return build

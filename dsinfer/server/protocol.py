@@ -5,11 +5,12 @@ Validation errors name the offending field, so the API can answer 400 with `para
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dsinfer.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from dsinfer.structured import StructuredOutputs
 
 MAX_N = 16
 MAX_STOP_CHARS = 1000
@@ -56,6 +57,44 @@ class StreamOptions(BaseModel):
 
 
 MAX_LOGIT_BIAS = 300
+MAX_CHOICES = 64
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute in pydantic: stored as json_schema.
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema: {name, schema}")
+        return self
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's structured_outputs: exactly one of its fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Common(BaseModel):
@@ -86,6 +125,15 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured outputs (constrained decoding): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
 
     @classmethod
     def screen(cls, data: dict[str, Any], lenient: bool) -> dict[str, Any]:
@@ -147,8 +195,58 @@ class _Common(BaseModel):
         """Engine requests this asks for (admission counts them)."""
         return self.n
 
+    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+        """(the output constraint, the field that asked for it); ValueError when two fields
+        ask or the one that asks is malformed."""
+        asked: list[tuple[str, StructuredOutputs]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", StructuredOutputs(json_object=True)))
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            asked.append(
+                ("response_format", StructuredOutputs.from_schema(rf.json_schema.json_schema))
+            )
+        so = self.structured_outputs
+        if so is not None:
+            asked.append(
+                (
+                    "structured_outputs",
+                    StructuredOutputs(
+                        json=None if so.json_ is None else _schema_text(so.json_),
+                        json_object=bool(so.json_object),
+                        regex=so.regex,
+                        choice=None if so.choice is None else tuple(so.choice),
+                        grammar=so.grammar,
+                    ),
+                )
+            )
+        for name, kind in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if kind == "json":
+                asked.append((name, StructuredOutputs.from_schema(value)))
+            elif kind == "choice":
+                asked.append((name, StructuredOutputs(choice=tuple(value))))
+            else:
+                asked.append((name, StructuredOutputs(**{kind: value})))
+        if len(asked) > 1:
+            raise ValueError(
+                f"{asked[0][0]} and {asked[1][0]} both constrain the output; send one of them"
+            )
+        return (asked[0][1], asked[0][0]) if asked else (None, None)
+
     def sampling(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> SamplingParams:
         return SamplingParams(
             n=1,
@@ -170,7 +268,14 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured=structured,
         )
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    spec = StructuredOutputs.from_schema(schema)
+    assert spec.json is not None
+    return spec.json
 
 
 class ChatMessage(BaseModel):

@@ -19,18 +19,10 @@ logger = logging.getLogger(__name__)
 # Accepted and dropped: they describe the request for OpenAI's own storage and billing.
 NO_OPS = frozenset({"store", "metadata", "service_tier"})
 
-_STRUCTURED = "constrained decoding (structured outputs) is not available in this dsinfer version"
 _TOOLS = "tool calling is not available in this dsinfer version"
 
 # field → why it is refused (both endpoints unless listed in CHAT_ONLY).
 NOT_IMPLEMENTED: dict[str, str] = {
-    "response_format": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
-    "guided_json": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED,
     "tools": _TOOLS,
     "tool_choice": _TOOLS,
     "parallel_tool_calls": _TOOLS,
@@ -54,7 +46,6 @@ CHAT_ONLY_REFUSED: dict[str, str] = {
 
 # The "off" value of a refused field, which is accepted (it asks for nothing).
 _OFF: dict[str, Any] = {
-    "response_format": {"type": "text"},
     "tool_choice": "none",
     "tools": [],
     "functions": [],

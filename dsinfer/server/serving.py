@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -19,6 +20,7 @@ from dsinfer.server.async_engine import (
 )
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.protocol import APIError
+from dsinfer.structured import GrammarCompiler, StructuredOutputs, compiler_for
 from dsinfer.tokenizer import Tokenizer
 from dsinfer.worker.step_io import TokenLogprobs
 
@@ -32,6 +34,37 @@ class ServedModel:
     version: str | None = None
     reasoning: bool = False  # R1-style: split <think>…</think> into reasoning_content
     created: int = field(default_factory=lambda: int(time.time()))
+    # The engine's grammar compiler (its cache is the engine's); built from the tokenizer
+    # when not given.
+    grammars: GrammarCompiler | None = None
+
+    async def prepare_constraint(self, body: Any) -> None:
+        """Compile the request's grammar on a worker thread, before admission, so that the
+        event loop never waits on a compile; 400 naming the field for a bad constraint."""
+        spec, param = self._asked(body)
+        if spec is not None:
+            await asyncio.to_thread(self._compile, spec, param)
+
+    def constraint(self, body: Any) -> StructuredOutputs | None:
+        """The request's output constraint (its grammar is in the cache by now)."""
+        spec, param = self._asked(body)
+        if spec is not None:
+            self._compile(spec, param)
+        return spec
+
+    def _asked(self, body: Any) -> tuple[StructuredOutputs | None, str | None]:
+        try:
+            return body.structured()
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def _compile(self, spec: StructuredOutputs, param: str | None) -> None:
+        if self.grammars is None:
+            self.grammars = compiler_for(self.tokenizer, self.tokenizer.vocab_size)
+        try:
+            self.grammars.compile(spec)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
 
     def check_lengths(
         self, n_prompt: int, max_tokens: int | None, param: str, prompt_param: str = "prompt"

@@ -14,6 +14,8 @@ from dsinfer.config import CacheConfig
 from dsinfer.distributed.comm import share_with_stage
 from dsinfer.layers.backend import apply_backend
 from dsinfer.models.loader import LoadedModel
+from dsinfer.structured import GrammarCompiler
+from dsinfer.worker.grammar_mask import BitmaskFiller, GrammarState, allowed_tokens, keep_mask
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.kv_cache import allocate_kv_cache
 from dsinfer.worker.sampler import Sampler, SamplerState, prompt_logprob_entries
@@ -52,6 +54,11 @@ class ModelRunner:
             else None
         )
         self.states: dict[str, SamplerState] = {}
+        # Constrained decoding: the engine hands its compiler over (use_grammars); bitmasks
+        # are filled on a helper thread during the forward pass.
+        self.grammars: GrammarCompiler | None = None
+        self._bitmasks = BitmaskFiller(loaded.config.vocab_size)
+        self._json_keep: torch.Tensor | None = None  # built on the first JSON request
         # Unseeded requests draw their generator seeds from this stream: runs are reproducible.
         self._seed_stream = torch.Generator().manual_seed(seed)
 
@@ -60,48 +67,75 @@ class ModelRunner:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_stream))
         return torch.Generator(device=self.device).manual_seed(seed)
 
+    def use_grammars(self, compiler: GrammarCompiler) -> None:
+        """Compile (or find cached) the grammars of constrained requests with `compiler`."""
+        self.grammars = compiler
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """One step. On failure the sampler states are rolled back to where they were, so the
-        engine may retry the step (or parts of it) without a token counted twice."""
-        lengths = {
-            s.req_id: len(st.output_token_ids)
+        """One step. On failure the sampler states (tokens, grammar positions) are rolled back
+        to where they were, so the engine may retry the step (or parts of it) without a token
+        counted twice."""
+        marks = {
+            s.req_id: (len(st.output_token_ids), st.grammar.num_accepted if st.grammar else 0)
             for s in out.seqs
             if (st := self.states.get(s.req_id))
         }
         try:
             return self._execute(out)
         except BaseException:
-            for rid, n in lengths.items():
+            for rid, (n, n_grammar) in marks.items():
                 if (st := self.states.get(rid)) is not None:
                     del st.output_token_ids[n:]
+                    if st.grammar is not None:
+                        st.grammar.rollback_to(n_grammar)
             raise
+
+    def _new_state(self, params, prompt_token_ids: list[int]) -> SamplerState:  # noqa: ANN001
+        grammar = None
+        if params.structured is not None and self.driver:
+            if self.grammars is None:
+                raise ValueError("this engine was built without a grammar compiler")
+            spec = params.structured
+            keep = None
+            if spec.kind in ("json", "json_object"):
+                if self._json_keep is None:
+                    banned = self.grammars.control_tokens()
+                    self._json_keep = keep_mask(banned, self.config.vocab_size)
+                keep = self._json_keep
+            grammar = GrammarState(self.grammars.new_matcher(spec), keep)
+        return SamplerState(params, prompt_token_ids, self._new_generator(params.seed), [], grammar)
 
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_req_ids:
             self.states.pop(rid, None)
         for nr in out.new_requests:
-            self.states[nr.req_id] = SamplerState(
-                nr.params, nr.prompt_token_ids, self._new_generator(nr.params.seed)
-            )
+            self.states[nr.req_id] = self._new_state(nr.params, nr.prompt_token_ids)
         result = ModelRunnerOutput()
         if not out.seqs:
             return result
         inp = build_model_input(out.seqs, self.block_size, self.device)
+        sample_idx = [i for i, s in enumerate(inp.seqs) if s.do_sample]
+        states = [self.states[inp.seqs[i].req_id] for i in sample_idx] if self.driver else []
+        masks = self._bitmasks.start([st.grammar for st in states])  # fills during the forward
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, hidden]
         if not self.driver:
             self._mirror(inp, hidden)
             return result
 
-        sample_idx, rows = self._sample_rows(inp)
+        _, rows = self._sample_rows(inp)
         if sample_idx:
             logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
-            states = [self.states[inp.seqs[i].req_id] for i in sample_idx]
-            tokens, lps = self.sampler(logits, states)
+            allowed = None
+            if masks is not None:
+                allowed = allowed_tokens(masks.result(), logits.shape[-1]).to(logits.device)
+            tokens, lps = self.sampler(logits, states, allowed)
             for i, tok, lp, st in zip(sample_idx, tokens, lps, states, strict=True):
                 rid = inp.seqs[i].req_id
                 result.sampled[rid] = tok
                 st.output_token_ids.append(tok)
+                if st.grammar is not None:
+                    st.grammar.accept(tok)
                 if lp is not None:
                     result.logprobs[rid] = lp
             verify_greedy(self.model, hidden, inp, result)

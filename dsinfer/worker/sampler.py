@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsinfer.sampling import SamplingParams
+from dsinfer.worker.grammar_mask import GrammarState
 from dsinfer.worker.step_io import TokenLogprobs
 
 
@@ -21,6 +22,7 @@ class SamplerState:
     prompt_token_ids: list[int]
     generator: torch.Generator
     output_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None  # constrained decoding (structured outputs)
 
 
 def apply_penalties(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
@@ -86,17 +88,28 @@ def _logprob_entry(lp_row: torch.Tensor, token: int, top_n: int) -> TokenLogprob
     top: list[tuple[int, float]] = []
     if top_n:
         vals, idx = torch.topk(lp_row, top_n)
-        top = [(int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True)]
+        # Tokens a grammar or a -100 bias removed (-inf) are not alternatives: leave them out.
+        top = [
+            (int(i), float(v))
+            for i, v in zip(idx.tolist(), vals.tolist(), strict=True)
+            if v != float("-inf")
+        ]
     return TokenLogprobs(token, chosen, rank, top)
 
 
 class Sampler:
     def __call__(
-        self, logits: torch.Tensor, states: list[SamplerState]
+        self,
+        logits: torch.Tensor,
+        states: list[SamplerState],
+        allowed: torch.Tensor | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: fp32 [B, V] → one token per row, plus logprobs where asked."""
+        """logits: fp32 [B, V] → one token per row, plus logprobs where asked. `allowed`
+        [B, V] bool (constrained decoding) removes tokens before logprobs and sampling."""
         if any(st.params.logit_bias for st in states):
             logits = apply_logit_bias(logits.clone(), states)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
         want_lp = [st.params.logprobs is not None for st in states]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         if any(st.params.needs_penalties for st in states):

@@ -1,0 +1,78 @@
+"""Constrained decoding on the worker: one grammar matcher per constrained request, token
+bitmasks filled on a helper thread while the forward pass runs, applied to the logits before
+sampling (and before logprobs, so reported logprobs are those of the constrained distribution).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+class GrammarState:
+    """A request's position in its grammar; advanced by every token the request emits."""
+
+    def __init__(self, matcher: Any, keep: torch.Tensor | None = None) -> None:
+        self.matcher = matcher
+        self.num_accepted = 0
+        # [W] int32 word mask ANDed into every bitmask row (tokens the grammar admits that
+        # the format does not: control bytes in JSON), or None.
+        self.keep = keep
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            # The mask allowed only grammar tokens, so this is a bug, not bad input: the
+            # request fails alone (engine/fault_isolation.py) rather than emit invalid output.
+            raise RuntimeError(f"token {token} is not allowed by the request's grammar")
+        self.num_accepted += 1
+
+    def rollback_to(self, num_accepted: int) -> None:
+        """Undo tokens accepted in a step that failed (the step may be retried)."""
+        if self.num_accepted > num_accepted:
+            self.matcher.rollback(self.num_accepted - num_accepted)
+            self.num_accepted = num_accepted
+
+
+class BitmaskFiller:
+    """Fills the [B, ceil(V/32)] int32 allowed-token bitmask of a step off the model thread."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, grammars: list[GrammarState | None]) -> Future | None:
+        """Begin filling rows for the constrained requests among `grammars` (one per sampled
+        row, None = unconstrained); None when no row is constrained."""
+        if all(g is None for g in grammars):
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsinfer-grammar")
+        return self._pool.submit(self._fill, grammars)
+
+    def _fill(self, grammars: list[GrammarState | None]) -> torch.Tensor:
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(grammars), words), -1, dtype=torch.int32)  # all allowed
+        for row, g in enumerate(grammars):
+            if g is not None:
+                g.matcher.fill_next_token_bitmask(bitmask, row)
+                if g.keep is not None:
+                    bitmask[row] &= g.keep
+        return bitmask
+
+
+def keep_mask(banned: list[int], vocab_size: int) -> torch.Tensor:
+    """[W] int32 words with every bit set except those of `banned` token ids."""
+    bits = torch.ones((vocab_size + 31) // 32 * 32, dtype=torch.int64)
+    bits[torch.tensor(banned, dtype=torch.int64)] = 0
+    weights = torch.ones(32, dtype=torch.int64) << torch.arange(32, dtype=torch.int64)
+    words = (bits.view(-1, 32) * weights).sum(-1)  # [W] as unsigned 32-bit values
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, W] int32 bitmask (bit j of word w = token 32w + j) → [B, vocab_size] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
