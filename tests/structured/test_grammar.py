@@ -1,0 +1,121 @@
+"""Constrained decoding below the server: the bitmask arithmetic, the schema check, grammar
+rollback after a failed step, preemption and n > 1 through the offline LLM."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from dsinfer import LLM, SamplingParams
+from dsinfer.structured import StructuredOutputs, check_json_schema, compiler_for
+from dsinfer.worker.grammar_mask import allowed_tokens, keep_mask
+from tests.helpers import assert_pool_clean, tiny_llama_dir
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "n"],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory) -> LLM:
+    src = tiny_llama_dir(
+        tmp_path_factory.mktemp("tiny-grammar"), num_layers=1, vocab_size=49152, max_positions=256
+    )
+    return LLM(str(src), tokenizer="smollm2", num_blocks=128, block_size=8)
+
+
+def test_keep_mask_and_unpacking_round_trip():
+    vocab = 100
+    banned = [0, 5, 31, 32, 63, 99]
+    keep = keep_mask(banned, vocab)
+    assert keep.dtype == torch.int32 and keep.shape == (4,)
+    allowed = allowed_tokens(keep.unsqueeze(0), vocab)[0]
+    assert allowed.shape == (vocab,)
+    assert [i for i in range(vocab) if not allowed[i]] == banned
+
+
+def test_schema_check_names_the_keyword_and_where():
+    check_json_schema(SCHEMA)
+    check_json_schema({"$defs": {"a": {"type": "string"}}, "$ref": "#/$defs/a", "title": "t"})
+    with pytest.raises(ValueError, match=r"'allOf' \(at #/properties/x/allOf\)"):
+        check_json_schema({"properties": {"x": {"allOf": [{"type": "string"}]}}})
+    with pytest.raises(ValueError, match="'uniqueItems'"):
+        check_json_schema({"type": "array", "uniqueItems": True})
+    with pytest.raises(ValueError, match="only local references"):
+        check_json_schema({"$ref": "https://example.com/s.json"})
+    with pytest.raises(ValueError, match="format 'phone'"):
+        check_json_schema({"items": {"type": "string", "format": "phone"}})
+
+
+def test_spec_takes_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a", grammar="root ::= a")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs()
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputs.from_schema("{oops")
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(structured=StructuredOutputs(regex="a"), ignore_eos=True)
+
+
+def test_json_rows_never_admit_control_bytes(tiny_llm):
+    tok = tiny_llm.tokenizer
+    grammars = compiler_for(tok, tiny_llm.engine.model_config.vocab_size)
+    banned = set(grammars.control_tokens())
+    assert tok.token_to_id("Ċ") in banned  # "\n" as a byte-level token
+    assert tok.token_to_id("<|im_end|>") not in banned  # stop tokens stay
+
+
+def test_compiled_once_and_matcher_rolls_back(tiny_llm):
+    grammars = compiler_for(tiny_llm.tokenizer, tiny_llm.engine.model_config.vocab_size)
+    spec = StructuredOutputs.from_schema(SCHEMA)
+    before = grammars.misses
+    first, second = grammars.compile(spec), grammars.compile(spec)
+    assert first is second and grammars.misses <= before + 1
+    from dsinfer.worker.grammar_mask import GrammarState
+
+    state = GrammarState(grammars.new_matcher(spec))
+    ids = tiny_llm.tokenizer.encode('{"name": "ab', add_special_tokens=False)
+    for t in ids:
+        state.accept(t)
+    state.rollback_to(1)  # as after a failed step: back to the first token
+    for t in ids[1:]:
+        state.accept(t)  # the same tokens are accepted again
+    with pytest.raises(RuntimeError, match="not allowed"):
+        state.accept(tiny_llm.tokenizer.token_to_id("<|im_end|>"))  # inside an open string
+
+
+def _valid(out, schema) -> bool:  # noqa: ANN001
+    c = out.outputs[0]
+    if c.finish_reason == "length":
+        return True
+    jsonschema.validate(json.loads(c.text), schema)
+    return True
+
+
+def test_n_and_preemption_keep_outputs_valid(tmp_path):
+    src = tiny_llama_dir(tmp_path, num_layers=1, vocab_size=49152, max_positions=256)
+    # 8 requests × ~60 tokens in 12 blocks of 8: the pool runs out, requests are preempted and
+    # recomputed; their grammar state must survive it.
+    llm = LLM(str(src), tokenizer="smollm2", num_blocks=12, block_size=8, enable_prefix_caching=False)
+    params = SamplingParams(
+        n=1, max_tokens=48, temperature=1.0, structured=StructuredOutputs.from_schema(SCHEMA)
+    )
+    outs = llm.generate(["Give the record as JSON:"] * 8, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert all(_valid(o, SCHEMA) for o in outs)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= 4
+    assert_pool_clean(llm.engine)
+    fanned = llm.generate("Record:", SamplingParams(n=4, max_tokens=48, temperature=1.0, seed=7, structured=StructuredOutputs.from_schema(SCHEMA)))  # fmt: skip
+    assert len(fanned[0].outputs) == 4
+    for c in fanned[0].outputs:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)
