@@ -92,9 +92,7 @@ class SamplingParams:
             # The grammar decides where the output ends (only end-of-turn tokens are allowed
             # once it is complete): a rule that hides or delays those tokens would break it.
             _check(not self.ignore_eos, "ignore_eos", "cannot be combined with structured outputs")
-            _check(
-                self.min_tokens == 0, "min_tokens", "cannot be combined with structured outputs"
-            )
+            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured outputs")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(

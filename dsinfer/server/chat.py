@@ -29,6 +29,13 @@ from dsinfer.server.streams import (
     open_streams,
     until_disconnected,
 )
+from dsinfer.server.tool_parsers import parser_for
+from dsinfer.server.tools import (
+    ToolOutput,
+    needs_fallback_prompt,
+    prepare_messages,
+    with_fallback_prompt,
+)
 
 # Names the chat template is rendered with; chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_ARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
@@ -43,8 +50,14 @@ def _render(served: ServedModel, body: ChatCompletionRequest) -> tuple[list[int]
         raise APIError(
             400, f"chat_template_kwargs may not set {clash[0]!r}", param="chat_template_kwargs"
         )
+    template = served.tokenizer.chat_template
     try:
-        messages = [m.for_template() for m in body.messages]
+        messages = prepare_messages([m.for_template() for m in body.messages], template)
+        if body.tool_mode() is not None:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+            kwargs["tools"] = tools
+            if needs_fallback_prompt(template):
+                messages = with_fallback_prompt(messages, tools)
         text = served.tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, **kwargs
         )
@@ -69,11 +82,31 @@ def _open_final_turn(text: str, final: str) -> str:
     return text[: at + len(final)]
 
 
-def _message(served: ServedModel, text: str, prompt_text: str) -> dict:
-    if not served.reasoning:
-        return {"role": "assistant", "content": text}
-    reasoning, content = split_reasoning(text, prompt_text[-32:])
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+def _tool_output(served: ServedModel, body: ChatCompletionRequest) -> ToolOutput | None:
+    mode = body.tool_mode()
+    if mode is None:
+        return None
+    named = body.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+    return ToolOutput(mode, parser_for(served.tokenizer.chat_template), named)
+
+
+def _message(
+    served: ServedModel, body: ChatCompletionRequest, st: ChoiceState, prompt_text: str
+) -> dict:
+    """The choice's message; sets st.finish_reason to "tool_calls" when it calls tools."""
+    msg: dict = {"role": "assistant", "content": st.text}
+    if served.reasoning:
+        reasoning, msg["content"] = split_reasoning(st.text, prompt_text[-32:])
+        msg["reasoning_content"] = reasoning
+    tools = _tool_output(served, body)
+    if tools is not None:
+        content, calls = tools.parse(msg["content"])
+        if calls:
+            msg["content"] = content
+            msg["tool_calls"] = [c.as_openai() for c in calls]
+            if st.finish_reason == "stop":
+                st.finish_reason = "tool_calls"
+    return msg
 
 
 async def chat_completion(
@@ -122,7 +155,7 @@ async def _full(served, body, ids, prompt_text, streams, rid, timing) -> dict:  
         "choices": [
             {
                 "index": st.index,
-                "message": _message(served, st.text, prompt_text),
+                "message": _message(served, body, st, prompt_text),
                 "logprobs": chat_logprobs(served.tokenizer, st.logprobs) if body.logprobs else None,
                 "finish_reason": st.finish_reason,
             }
@@ -142,6 +175,8 @@ async def _stream(served, body, ids, prompt_text, streams, rid, timing) -> Async
 
     states = [ChoiceState(i) for i in range(len(streams))]
     parsers = [ReasoningParser(prompt_text[-32:]) for _ in states] if served.reasoning else None
+    tools = [_tool_output(served, body) for _ in states]
+    called = [False for _ in states]
     for st in states:
         yield chunk(
             [
@@ -168,7 +203,19 @@ async def _stream(served, body, ids, prompt_text, streams, rid, timing) -> Async
                 delta = {"content": content} if content else {}
                 if reasoning:
                     delta["reasoning_content"] = reasoning
-            if delta.get("content") or delta.get("reasoning_content") or new_lps:
+            if (tool := tools[i]) is not None:
+                content, calls = tool.feed(delta.pop("content", ""), final=out.finished)
+                if content:
+                    delta["content"] = content
+                if calls:
+                    delta["tool_calls"] = calls
+                    called[i] = True
+            if (
+                delta.get("content")
+                or delta.get("reasoning_content")
+                or new_lps
+                or delta.get("tool_calls")
+            ):
                 lp = chat_logprobs(served.tokenizer, new_lps) if body.logprobs else None
                 yield chunk(
                     [
@@ -181,10 +228,11 @@ async def _stream(served, body, ids, prompt_text, streams, rid, timing) -> Async
                     ]
                 )
             if out.finished:
-                st.finish_reason = c.finish_reason
-                yield chunk(
-                    [{"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}]
+                finish = (
+                    "tool_calls" if called[i] and c.finish_reason == "stop" else c.finish_reason
                 )
+                st.finish_reason = finish
+                yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}])
     except Exception as e:  # refused, failed alone, or the engine stopped: said in the stream
         yield stream_error(e)
     timing.done()

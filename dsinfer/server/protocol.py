@@ -278,6 +278,39 @@ def _schema_text(schema: dict[str, Any] | str) -> str:
     return spec.json
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -297,7 +330,9 @@ class ChatMessage(BaseModel):
         tool_call_id, ...) passed through for templates that render them."""
         msg = dict(self.model_extra or {})
         msg["role"] = "system" if self.role == "developer" else self.role
-        msg["content"] = self.text()
+        # An assistant turn that only calls tools has no content: templates test for None.
+        keep_none = self.content is None and self.role == "assistant" and msg.get("tool_calls")
+        msg["content"] = None if keep_none else self.text()
         return msg
 
     def text(self) -> str:
@@ -326,11 +361,24 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _chat_consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice required or a named function needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice names function {choice.function.name!r}, which is not in tools"
+            )
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise ValueError(
@@ -340,6 +388,35 @@ class ChatCompletionRequest(_Common):
             if self.messages[-1].role != "assistant":
                 raise ValueError("continue_final_message needs a final assistant message")
         return self
+
+    def tool_mode(self) -> str | None:
+        """None (no tools, or tool_choice "none"), "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_functions(self) -> list[dict[str, Any]]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+        """The base constraints, or the one tool_choice "required" / a named function sets."""
+        from dsinfer.server.tools import parameters_of, required_constraint
+
+        spec, param = super().structured()
+        mode = self.tool_mode()
+        if mode not in ("required", "named"):
+            return spec, param
+        if spec is not None:
+            raise ValueError(f"tool_choice {mode} and {param} both constrain the output")
+        functions = self.tool_functions()
+        if mode == "required":
+            return required_constraint(functions, self.parallel_tool_calls), "tools"
+        assert isinstance(self.tool_choice, NamedToolChoice)
+        wanted = self.tool_choice.function.name
+        chosen = next(f for f in functions if f["name"] == wanted)
+        return StructuredOutputs.from_schema(parameters_of(chosen)), "tools"
 
 
 class CompletionRequest(_Common):

@@ -61,14 +61,14 @@ class ReasoningParser:
                 self._strip_newlines = True
                 text = text[idx + len(CLOSE) :]
                 continue
-            keep = 0 if final else _partial_suffix(text, CLOSE)
+            keep = 0 if final else partial_suffix(text, CLOSE)
             reasoning.append(text[: len(text) - keep])
             self._pending = text[len(text) - keep :]
             break
         return "".join(reasoning), "".join(content)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -19,15 +19,12 @@ logger = logging.getLogger(__name__)
 # Accepted and dropped: they describe the request for OpenAI's own storage and billing.
 NO_OPS = frozenset({"store", "metadata", "service_tier"})
 
-_TOOLS = "tool calling is not available in this dsinfer version"
+_TOOLS = "tool calling is available on /v1/chat/completions (tools, tool_choice)"
 
-# field → why it is refused (both endpoints unless listed in CHAT_ONLY).
+# field → why it is refused on both endpoints; then what only one endpoint refuses.
 NOT_IMPLEMENTED: dict[str, str] = {
-    "tools": _TOOLS,
-    "tool_choice": _TOOLS,
-    "parallel_tool_calls": _TOOLS,
-    "functions": _TOOLS,
-    "function_call": _TOOLS,
+    "functions": "the deprecated functions field is not supported; send tools",
+    "function_call": "the deprecated function_call field is not supported; send tool_choice",
     "audio": "audio output is not supported: these models write text",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
@@ -37,6 +34,11 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty applies to beam search, which is not supported",
     "truncate_prompt_tokens": "prompt truncation is not supported; shorten the prompt",
+}
+COMPLETIONS_ONLY_REFUSED: dict[str, str] = {
+    "tools": _TOOLS,
+    "tool_choice": _TOOLS,
+    "parallel_tool_calls": _TOOLS,
 }
 CHAT_ONLY_REFUSED: dict[str, str] = {
     "echo": "echo is not available on chat; use /v1/completions with echo",
@@ -61,7 +63,8 @@ def screen_fields(data: dict[str, Any], known: set[str], chat: bool, lenient: bo
         if key in known:
             out[key] = value
             continue
-        why = NOT_IMPLEMENTED.get(key) or (CHAT_ONLY_REFUSED.get(key) if chat else None)
+        endpoint_refused = CHAT_ONLY_REFUSED if chat else COMPLETIONS_ONLY_REFUSED
+        why = NOT_IMPLEMENTED.get(key) or endpoint_refused.get(key)
         if why is not None:
             if value is None or _OFF.get(key, object()) == value:
                 continue

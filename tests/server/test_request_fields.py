@@ -12,7 +12,7 @@ import pytest
 from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.chat import _open_final_turn
 from dsinfer.server.protocol import APIError, ChatMessage
-from dsinfer.server.request_fields import NOT_IMPLEMENTED
+from dsinfer.server.request_fields import COMPLETIONS_ONLY_REFUSED, NOT_IMPLEMENTED
 from tests.server.conftest import running_server, wait_idle
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -61,6 +61,12 @@ def test_fields_not_implemented_are_400_naming_them(url, field):
     err = _err(_post(url, "/v1/chat/completions", {"messages": CHAT, field: {"x": 1}}))
     assert err["param"] == field and err["code"] == "unsupported_field"
     assert field in err["message"]
+
+
+@pytest.mark.parametrize("field", sorted(COMPLETIONS_ONLY_REFUSED))
+def test_chat_only_fields_are_400_on_completions(url, field):
+    err = _err(_post(url, "/v1/completions", {"prompt": "a", field: {"x": 1}}))
+    assert err["param"] == field and "chat/completions" in err["message"]
 
 
 def test_off_values_and_no_ops_are_accepted(url, tiny_smol):
@@ -143,7 +149,7 @@ def test_turn_fields_reach_the_template():
     )
     assert msg.for_template() == {
         "role": "assistant",
-        "content": "",
+        "content": None,  # a tool-calling turn has no content: templates test for None
         "tool_calls": [{"id": "c1"}],
         "name": "bot",
     }

@@ -105,7 +105,9 @@ def test_n_and_preemption_keep_outputs_valid(tmp_path):
     src = tiny_llama_dir(tmp_path, num_layers=1, vocab_size=49152, max_positions=256)
     # 8 requests × ~60 tokens in 12 blocks of 8: the pool runs out, requests are preempted and
     # recomputed; their grammar state must survive it.
-    llm = LLM(str(src), tokenizer="smollm2", num_blocks=12, block_size=8, enable_prefix_caching=False)
+    llm = LLM(
+        str(src), tokenizer="smollm2", num_blocks=12, block_size=8, enable_prefix_caching=False
+    )
     params = SamplingParams(
         n=1, max_tokens=48, temperature=1.0, structured=StructuredOutputs.from_schema(SCHEMA)
     )
