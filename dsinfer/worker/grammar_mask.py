@@ -28,6 +28,24 @@ class GrammarState:
             raise RuntimeError(f"token {token} is not allowed by the request's grammar")
         self.num_accepted += 1
 
+    @property
+    def finished(self) -> bool:
+        """The grammar accepted its stop token: the request ends here."""
+        return bool(self.matcher.is_terminated())
+
+    def greedy(self, logits: torch.Tensor) -> int:
+        """The most likely allowed token of one logits row [V], accepted into the grammar
+        (speculative verification: the token a greedy step would have sampled here)."""
+        vocab = logits.shape[-1]
+        bitmask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        if self.keep is not None:
+            bitmask[0] &= self.keep
+        allowed = allowed_tokens(bitmask, vocab)[0].to(logits.device)
+        token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        self.accept(token)
+        return token
+
     def rollback_to(self, num_accepted: int) -> None:
         """Undo tokens accepted in a step that failed (the step may be retried)."""
         if self.num_accepted > num_accepted:

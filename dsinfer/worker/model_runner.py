@@ -138,7 +138,10 @@ class ModelRunner:
                     st.grammar.accept(tok)
                 if lp is not None:
                     result.logprobs[rid] = lp
-            verify_greedy(self.model, hidden, inp, result)
+            grammars = {
+                inp.seqs[i].req_id: st.grammar for i, st in zip(sample_idx, states, strict=True)
+            }
+            verify_greedy(self.model, hidden, inp, result, {r: g for r, g in grammars.items() if g})
             for rid, extra in result.bonus.items():
                 self.states[rid].output_token_ids.extend(extra)
         if self.drafter is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.worker.grammar_mask import GrammarState
 from dsinfer.worker.input_batch import ModelInput
 from dsinfer.worker.step_io import ModelRunnerOutput
 
@@ -33,25 +34,35 @@ def draft_rows(inp: ModelInput, sampled: set[str] | dict) -> tuple[list, list[in
 
 
 def verify_greedy(
-    model: torch.nn.Module, hidden: torch.Tensor, inp: ModelInput, result: ModelRunnerOutput
+    model: torch.nn.Module,
+    hidden: torch.Tensor,
+    inp: ModelInput,
+    result: ModelRunnerOutput,
+    grammars: dict[str, GrammarState] | None = None,
 ) -> None:
-    """Extend result.sampled with result.bonus: tokens that accepted drafts make certain."""
+    """Extend result.sampled with result.bonus: tokens that accepted drafts make certain. A
+    constrained request's rows are checked against its grammar: each verified token is the
+    argmax over the tokens the grammar allows there (and is accepted into it), so a draft the
+    grammar forbids is never kept."""
     spec, rows = draft_rows(inp, result.sampled)
     if not spec:
         return
-    argmax = model.compute_logits(hidden[torch.tensor(rows)]).argmax(dim=-1).tolist()
+    logits = model.compute_logits(hidden[torch.tensor(rows)])  # [rows, V]
+    argmax = logits.argmax(dim=-1).tolist()
+    grammars = grammars or {}
     k = 0
     for _i, s in spec:
         drafts = s.token_ids[-s.num_draft :]
-        row_tokens = argmax[k : k + s.num_draft]
-        k += s.num_draft
+        grammar = grammars.get(s.req_id)
         accepted: list[int] = []
         last = result.sampled[s.req_id]
-        for draft, next_tok in zip(drafts, row_tokens, strict=True):
-            if last != draft:
-                break
+        for j, draft in enumerate(drafts):
+            if last != draft or (grammar is not None and grammar.finished):
+                break  # a rejected draft, or the grammar ended (nothing may follow its end)
+            next_tok = argmax[k + j] if grammar is None else grammar.greedy(logits[k + j])
             accepted.append(next_tok)
             last = next_tok
+        k += s.num_draft
         if accepted:
             result.bonus[s.req_id] = accepted
 

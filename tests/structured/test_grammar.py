@@ -121,3 +121,41 @@ def test_n_and_preemption_keep_outputs_valid(tmp_path):
     for c in fanned[0].outputs:
         if c.finish_reason == "stop":
             jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_drafts_are_verified_against_the_grammar(tmp_path):
+    """verify_greedy on designed logits: without a grammar the row's argmax (a forbidden token)
+    ends the run of drafts; with it, each row's best allowed token is taken and accepted."""
+    from types import SimpleNamespace
+
+    from dsinfer.structured import GrammarCompiler
+    from dsinfer.tokenizer import load_tokenizer
+    from dsinfer.worker.grammar_mask import GrammarState
+    from dsinfer.worker.spec_decode import verify_greedy
+    from dsinfer.worker.step_io import ModelRunnerOutput, ScheduledSeq
+    from tests.models.test_tiny_parity import _tokenizer_files
+
+    _tokenizer_files(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    vocab = tok.vocab_size
+    # rows: [last token, draft 1, draft 2]; the drafts are checked at rows 1 and 2.
+    seq = ScheduledSeq("r", [9, 3, 5], 10, [], True, num_draft=2)
+    inp = SimpleNamespace(seqs=[seq], last_rows=[2])
+    logits = torch.zeros(2, vocab)
+    logits[0, 4], logits[0, 5] = 9.0, 8.0  # after w3: w4 (forbidden) beats w5
+    logits[1, 7] = 9.0  # after w5: w7
+    model = SimpleNamespace(compute_logits=lambda rows: logits[: rows.shape[0]])
+    hidden = torch.zeros(3, 1)
+
+    free = ModelRunnerOutput(sampled={"r": 3})
+    verify_greedy(model, hidden, inp, free)
+    assert free.bonus == {"r": [4]}  # w4 ≠ draft w5: the run ends
+
+    grammar = GrammarState(
+        GrammarCompiler(tok, vocab).new_matcher(StructuredOutputs(regex="(w[13579]){1,40}"))
+    )
+    grammar.accept(3)  # the sampled token, as the runner accepts it before verifying
+    constrained = ModelRunnerOutput(sampled={"r": 3})
+    verify_greedy(model, hidden, inp, constrained, {"r": grammar})
+    assert constrained.bonus == {"r": [5, 7]}  # w5 (allowed) = draft 2, then w7
+    assert grammar.num_accepted == 3
