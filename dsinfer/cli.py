@@ -11,7 +11,12 @@ from dsinfer.distributed.parallel_state import check_grid
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="activations and KV cache; float16 is served as bfloat16 (same range, fast on CPUs)",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda | npu | auto")
     p.add_argument(
         "--backend",
@@ -37,6 +42,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's own")
     p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the text) replacing the tokenizer's",
+    )
+    p.add_argument(
         "--random-weights",
         action="store_true",
         help="build from config.json with seeded random weights (speed/memory only)",
@@ -61,6 +72,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         metavar="auto|tp=N,pp=M,ep=K",
         help="tensor × pipeline (× expert) parallel over processes (torch.distributed), e.g. "
         "tp=2, pp=2, tp=2,pp=2, tp=4,ep=4; auto: plan for this machine",
+    )
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's spelling of --parallel tp=N",
+    )
+    p.add_argument(
+        "-pp",
+        "--pipeline-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's spelling of --parallel pp=N",
     )
     p.add_argument("--nnodes", type=int, default=1, help="machines the ranks spread over")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 serves)")
@@ -106,7 +133,23 @@ def resolve_parallel(spec: str | None, model: str) -> tuple[int, int, int]:
     return tp, pp, ep
 
 
+def parallel_spec(args: argparse.Namespace) -> str | None:
+    """--parallel, or vLLM's --tensor-parallel-size / --pipeline-parallel-size."""
+    sizes = [
+        f"{key}={n}"
+        for key, n in (("tp", args.tensor_parallel_size), ("pp", args.pipeline_parallel_size))
+        if n is not None
+    ]
+    if sizes and args.parallel is not None:
+        raise ValueError(
+            "give the grid once: --parallel, or --tensor-parallel-size/--pipeline-parallel-size"
+        )
+    return ",".join(sizes) if sizes else args.parallel
+
+
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    args.parallel = parallel_spec(args)
+    args.tensor_parallel_size = args.pipeline_parallel_size = None  # folded into --parallel
     if args.parallel == "auto" and args.nnodes > 1:
         # Each node would probe and plan on its own and could pick another grid: the group
         # would never form. Every node must be given the same grid.
@@ -123,6 +166,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         quantization=args.quantization,
         seed=args.seed,
         tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
         random_weights=args.random_weights,
         random_quant=args.random_quant,
         trusted_keys=tuple(args.trusted_key),
@@ -195,11 +239,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from dsinfer.server.launch import parse_model_spec, serve
 
+    if args.model_tag:  # `dsinfer serve MODEL`, as `vllm serve MODEL`
+        args.model = [args.model_tag, *args.model]
+    if args.served_model_name:
+        if len(args.model) > 1:
+            raise ValueError("--served-model-name names one model; use NAME=PATH for several")
+        path = parse_model_spec((args.model or ["smollm2"])[0])[1]
+        args.model = [f"{args.served_model_name}={path}"]
+
     if args.nnodes > 1 and len(args.model or ["smollm2"]) > 1:
         raise ValueError("--nnodes > 1 serves one --model (its ranks span the nodes)")
     if args.node_rank > 0:
         return run_worker_node(args, parse_model_spec((args.model or ["smollm2"])[0])[1])
     return serve(args)
+
+
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("dsinfer")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        ours = "unknown"
+    import torch
+
+    return f"dsinfer {ours} (torch {torch.__version__})"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -213,6 +277,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsinfer", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -226,6 +291,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    s.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model to serve ([NAME=]PATH, as `vllm serve MODEL`); more with --model",
+    )
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the name clients send as `model` (default: the file or directory stem)",
+    )
     s.add_argument(
         "--model",
         action="append",

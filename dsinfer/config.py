@@ -13,6 +13,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
+    # vLLM users write float16: served as bfloat16 (see parse_dtype).
+    "float16": torch.bfloat16,
+    "fp16": torch.bfloat16,
+    "half": torch.bfloat16,
 }
 
 
@@ -30,7 +34,10 @@ def parse_dtype(name: str | torch.dtype, checkpoint_dtype: str | None = None) ->
             return torch.bfloat16
         return torch.float32
     if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of auto, float32, bfloat16")
+        raise ValueError(
+            f"unsupported dtype {name!r}; choose one of auto, float32, bfloat16 (float16 is "
+            "served as bfloat16)"
+        )
     return _DTYPES[name]
 
 
@@ -128,6 +135,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     tokenizer: str | None = None  # default: the model's own files
+    # A Jinja chat template (its text, or a file holding it) replacing the tokenizer's.
+    chat_template: str | None = None
     random_weights: bool = False  # build from config.json with seeded random weights
     random_quant: str = "none"  # with random_weights: int8 | int4 layouts (large configs)
     # Trust policy for artifacts: public keys their signature must verify with (plus

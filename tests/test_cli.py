@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -109,3 +110,54 @@ def test_serve_auth_and_graceful_sigterm():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_vllm_spelling_serves_under_the_given_name():
+    """`dsinfer serve MODEL --served-model-name NAME -tp 1 --dtype float16`, as with vLLM."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*DSINFER, "serve", "smollm2", "--served-model-name", "smol", "-tp", "1",
+         "--dtype", "float16", "--port", str(port), "--kv-cache-memory", "64MiB"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy(),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, [proc])
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["smol"]
+        body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_port_clash_is_reported_before_the_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # A model that does not exist: the port error must come first, before any loading.
+        r = subprocess.run(
+            [*DSINFER, "serve", str(tmp_path / "missing"), "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_python_m_and_version():
+    r = subprocess.run(
+        [sys.executable, "-m", "dsinfer", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and r.stdout.startswith("dsinfer ") and "torch" in r.stdout
+    r = subprocess.run(
+        [*DSINFER, "serve", "a", "--model", "b", "--served-model-name", "x"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--served-model-name names one model" in r.stderr
+    r = subprocess.run(
+        [*DSINFER, "generate", "--prompt", "x", "-tp", "2", "--parallel", "tp=2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "give the grid once" in r.stderr

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
@@ -18,8 +20,9 @@ class LLM:
 
     Keyword arguments: dtype ("auto" | "float32" | "bfloat16"), device, seed, block_size,
     kv_cache_memory ("512MiB"), num_blocks, enable_prefix_caching, max_num_seqs,
-    max_num_batched_tokens, max_model_len, tokenizer (another tokenizer source), random_weights
-    (build from config.json with seeded random weights, for speed and memory at real shapes).
+    max_num_batched_tokens, max_model_len, tokenizer (another tokenizer source), chat_template
+    (template text or a file: replaces the tokenizer's), random_weights (build from config.json
+    with seeded random weights, for speed and memory at real shapes).
     """
 
     def __init__(
@@ -38,6 +41,7 @@ class LLM:
         max_num_batched_tokens: int = 1024,
         max_model_len: int | None = None,
         tokenizer: str | None = None,
+        chat_template: str | None = None,
         random_weights: bool = False,
         random_quant: str = "none",
         trusted_keys: tuple[str, ...] | list[str] = (),
@@ -55,6 +59,7 @@ class LLM:
             quantization=quantization,
             seed=seed,
             tokenizer=tokenizer,
+            chat_template=chat_template,
             random_weights=random_weights,
             random_quant=random_quant,
             trusted_keys=tuple(str(k) for k in trusted_keys),
@@ -82,12 +87,21 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion in one continuous batch; results in input order.
 
         A prompt is a string or {"prompt_token_ids": [...]}. With n > 1, the n samples come
         back as `.outputs[0..n-1]`; sample i uses seed + i when a seed is set.
+        `sampling_params=` is vLLM's name for `params`; `use_tqdm` shows a progress bar of
+        finished prompts (on a terminal).
         """
+        if sampling_params is not None:
+            if params is not None:
+                raise ValueError("pass params or sampling_params, not both")
+            params = sampling_params
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if params is None:
@@ -99,10 +113,12 @@ class LLM:
         for prompt, p in zip(prompts, plist, strict=True):
             groups.append([self._add(prompt, sub) for sub in split_samples(p)])
         finals: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
+        with _progress(use_tqdm, sum(len(g) for g in groups)) as advance:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        advance()
         results = []
         for ids in groups:
             first = finals[ids[0]]
@@ -128,8 +144,24 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         params: SamplingParams | None = None,
+        *,
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with the generation prompt) and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in convs]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, sampling_params=sampling_params, use_tqdm=use_tqdm)
+
+
+@contextlib.contextmanager
+def _progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
+    """A rich progress bar of finished requests when asked for and on a terminal."""
+    if not show or not sys.stderr.isatty():
+        yield lambda: None
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("generating", total=total)
+        yield lambda: bar.advance(task)

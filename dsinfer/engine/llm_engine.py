@@ -76,6 +76,8 @@ class LLMEngine:
             if config.tokenizer
             else loaded.tokenizer_path or loaded.path
         )
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = read_chat_template(config.chat_template)
         # Structured outputs: one grammar compiler (and cache) per tokenizer, shared with the
         # server, which compiles a request's grammar before queueing it.
         self.grammars = compiler_for(self.tokenizer, loaded.config.vocab_size)
@@ -244,6 +246,18 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file holding the template, or the template text itself."""
+    path = Path(value).expanduser()
+    if "{" not in value and len(value) < 4096:
+        if not path.is_file():
+            raise ValueError(
+                f"--chat-template {value!r}: no such file, and not a template (no '{{' in it)"
+            )
+        return path.read_text()
+    return value
 
 
 def _tokenizer_source(name: str) -> Path:

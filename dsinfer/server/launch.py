@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -66,7 +67,27 @@ def load_served_models(args: argparse.Namespace) -> ModelRegistry:
     return registry
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """Take the address before the models load (seconds to minutes), so a clash is reported
+    at once rather than after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"cannot listen on {host}:{port} ({e.strerror}); another server may be using it: "
+            "stop it or choose another --port"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(args: argparse.Namespace) -> int:
+    sock = bind_port(args.host, args.port)
+    print(f"dsinfer: {args.host}:{args.port} is ours; loading the model(s)…", flush=True)
     registry = load_served_models(args)
     settings = ServerSettings(
         api_key=args.api_key,
@@ -97,11 +118,8 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal to the handler
     # that was installed before it: make that one a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        timeout_graceful_shutdown=args.shutdown_timeout,
+    config = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout
     )
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

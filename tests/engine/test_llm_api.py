@@ -1,0 +1,38 @@
+"""The offline LLM as a vLLM user calls it: sampling_params=, use_tqdm, chat_template."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsinfer import LLM, SamplingParams
+from tests.helpers import tiny_llama_dir
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory.mktemp("llm-api"), num_layers=1)
+
+
+def test_vllm_keywords(tiny):
+    llm = LLM(str(tiny), num_blocks=32, block_size=8)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    a = llm.generate(["w5 w6"], params)
+    b = llm.generate(["w5 w6"], sampling_params=params, use_tqdm=True)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="not both"):
+        llm.generate(["w5"], params, sampling_params=params)
+
+
+def test_chat_template_text_or_file(tiny, tmp_path):
+    llm = LLM(str(tiny), num_blocks=32, block_size=8, chat_template=TEMPLATE)
+    assert llm.tokenizer.chat_template == TEMPLATE
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    from_file = LLM(str(tiny), num_blocks=32, block_size=8, chat_template=str(path))
+    assert from_file.tokenizer.apply_chat_template([{"role": "user", "content": "w7"}]) == (
+        "<user>w7"
+    )
+    with pytest.raises(ValueError, match="no such file"):
+        LLM(str(tiny), num_blocks=32, block_size=8, chat_template=str(tmp_path / "nope"))
