@@ -42,7 +42,11 @@ def needs_fallback_prompt(template: str | None) -> bool:
 
 def prepare_messages(messages: list[dict[str, Any]], template: str | None) -> list[dict]:
     """Turns as the template wants them: templates that write `arguments | tojson` take the
-    arguments as an object (transformers' convention), the others the OpenAI JSON string."""
+    arguments as an object (transformers' convention), the others the OpenAI JSON string; a
+    template that knows nothing of tools gets tool-calling turns as hermes text (the syntax
+    its fallback prompt teaches)."""
+    if needs_fallback_prompt(template):
+        return [_fallback_turn(m) for m in messages]
     if not template or not _TOJSON_ARGS.search(template):
         return messages
     out = []
@@ -52,6 +56,30 @@ def prepare_messages(messages: list[dict[str, Any]], template: str | None) -> li
             msg = dict(msg, tool_calls=[_args_as_object(c) for c in calls])
         out.append(msg)
     return out
+
+
+def _fallback_turn(msg: dict) -> dict:
+    """A turn for a template that knows no tools: calls as hermes text, a tool's result as a
+    user turn wrapped in <tool_response> (such templates may refuse a "tool" role)."""
+    if msg.get("tool_calls"):
+        return _calls_as_text(msg)
+    if msg["role"] == "tool":
+        rest = {k: v for k, v in msg.items() if k not in ("tool_call_id", "name")}
+        return rest | {
+            "role": "user",
+            "content": f"<tool_response>\n{msg['content']}\n</tool_response>",
+        }
+    return msg
+
+
+def _calls_as_text(msg: dict) -> dict:
+    blocks = []
+    for call in msg["tool_calls"]:
+        fn = _args_as_object(call)["function"]
+        body = json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments")})
+        blocks.append(f"<tool_call>\n{body}\n</tool_call>")
+    text = "\n".join([msg["content"], *blocks] if msg.get("content") else blocks)
+    return {k: v for k, v in msg.items() if k != "tool_calls"} | {"content": text}
 
 
 def _args_as_object(call: dict) -> dict:

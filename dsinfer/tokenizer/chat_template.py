@@ -45,5 +45,5 @@ def render_chat(
             **(special_tokens or {}),
             **kwargs,
         )
-    except jinja2.TemplateError as e:
+    except (jinja2.TemplateError, TypeError) as e:  # TypeError: e.g. str + None in a template
         raise ValueError(f"chat template failed to render: {e}") from None

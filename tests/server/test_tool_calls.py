@@ -348,3 +348,11 @@ def test_bad_tool_requests_are_400(url, body, says):
     r = _chat(url, **body)
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"], r.json()
+
+
+def test_tool_turns_reach_a_template_without_tools_as_text(tiny_smol):
+    body = ChatCompletionRequest(messages=CONVERSATION, tools=[ORDER], tool_choice="none")
+    _, text = _render(tiny_smol, body)
+    assert '<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "AB1234"' in text
+    assert '<|im_start|>user\n<tool_response>\n{"status": "shipped"}\n</tool_response>' in text
+    assert "None" not in text
