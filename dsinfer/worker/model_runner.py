@@ -15,7 +15,7 @@ from dsinfer.distributed.comm import share_with_stage
 from dsinfer.layers.backend import apply_backend
 from dsinfer.models.loader import LoadedModel
 from dsinfer.structured import GrammarCompiler
-from dsinfer.worker.grammar_mask import BitmaskFiller, GrammarState, allowed_tokens, keep_mask
+from dsinfer.worker.grammar_mask import BitmaskFiller, GrammarState, apply_bitmask, keep_mask
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.kv_cache import allocate_kv_cache
 from dsinfer.worker.sampler import Sampler, SamplerState, prompt_logprob_entries
@@ -126,10 +126,9 @@ class ModelRunner:
         _, rows = self._sample_rows(inp)
         if sample_idx:
             logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
-            allowed = None
             if masks is not None:
-                allowed = allowed_tokens(masks.result(), logits.shape[-1]).to(logits.device)
-            tokens, lps = self.sampler(logits, states, allowed)
+                apply_bitmask(logits, masks.result())  # in place, before logprobs and sampling
+            tokens, lps = self.sampler(logits, states)
             for i, tok, lp, st in zip(sample_idx, tokens, lps, states, strict=True):
                 rid = inp.seqs[i].req_id
                 result.sampled[rid] = tok

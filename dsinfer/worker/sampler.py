@@ -99,17 +99,12 @@ def _logprob_entry(lp_row: torch.Tensor, token: int, top_n: int) -> TokenLogprob
 
 class Sampler:
     def __call__(
-        self,
-        logits: torch.Tensor,
-        states: list[SamplerState],
-        allowed: torch.Tensor | None = None,
+        self, logits: torch.Tensor, states: list[SamplerState]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits: fp32 [B, V] → one token per row, plus logprobs where asked. `allowed`
-        [B, V] bool (constrained decoding) removes tokens before logprobs and sampling."""
+        """logits: fp32 [B, V] → one token per row, plus logprobs where asked. Constrained
+        rows arrive masked already (-inf: worker/grammar_mask.py)."""
         if any(st.params.logit_bias for st in states):
             logits = apply_logit_bias(logits.clone(), states)
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
         want_lp = [st.params.logprobs is not None for st in states]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         if any(st.params.needs_penalties for st in states):

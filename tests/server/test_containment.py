@@ -49,10 +49,10 @@ def _poisoned_engine(config: EngineConfig) -> LLMEngine:
     runner = engine.executor.runner
     sample = runner.sampler
 
-    def sampler(logits, states, allowed=None):  # noqa: ANN001, ANN202
+    def sampler(logits, states):  # noqa: ANN001, ANN202
         if any(st.params.seed == POISON_SEED for st in states):
             raise RuntimeError("injected sampler fault")
-        return sample(logits, states, allowed)
+        return sample(logits, states)
 
     runner.sampler = sampler
     return engine

@@ -159,3 +159,21 @@ def test_drafts_are_verified_against_the_grammar(tmp_path):
     verify_greedy(model, hidden, inp, constrained, {"r": grammar})
     assert constrained.bonus == {"r": [5, 7]}  # w5 (allowed) = draft 2, then w7
     assert grammar.num_accepted == 3
+
+
+def test_bitmask_op_matches_torch():
+    """The C++ masking op and the torch fallback remove exactly the same tokens."""
+    from dsinfer.layers.kernels.cpu_build import load_cpu_ops
+    from dsinfer.worker.grammar_mask import apply_bitmask
+
+    assert load_cpu_ops() is None, "the fused CPU kernels should build on this machine"
+    vocab = 1000  # not a multiple of 32: the last word is partial
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 32), dtype=torch.int32, generator=gen)
+    bitmask[1] = -1  # a row with everything allowed
+    logits = torch.randn(5, vocab, generator=gen)
+    got = logits.clone()
+    apply_bitmask(got, bitmask)
+    want = logits.masked_fill(~allowed_tokens(bitmask, vocab), float("-inf"))
+    assert torch.equal(got, want)
+    assert torch.equal(got[1], logits[1])

@@ -560,6 +560,36 @@ at::Tensor int4_dequantize_t(const at::Tensor& qweight, int64_t group, const at:
   return out;
 }
 
+// Constrained decoding: logits[r, t] = -inf where bit t % 32 of word t / 32 of bitmask[r] is
+// clear (xgrammar's layout). In place. Words with every bit set (all allowed: most of a JSON
+// string's vocabulary) are skipped, so a step costs ~V/32 word reads per row.
+void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
+              "expected contiguous fp32 [rows, vocab] logits");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() &&
+                  bitmask.scalar_type() == at::kInt && bitmask.size(0) == logits.size(0) &&
+                  bitmask.size(1) * 32 >= logits.size(1),
+              "expected an int32 [rows, ceil(vocab / 32)] bitmask");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), words = bitmask.size(1);
+  float* lp = logits.data_ptr<float>();
+  const auto* bp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows, 1, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      float* row = lp + r * vocab;
+      const uint32_t* bits = bp + r * words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t word = bits[w];
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t base = w * 32, n = std::min<int64_t>(32, vocab - base);
+        for (int64_t j = 0; j < n; ++j) {
+          if (!((word >> j) & 1u)) row[base + j] = ninf;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dsinfer, m) {
@@ -573,6 +603,7 @@ TORCH_LIBRARY(dsinfer, m) {
       "rope_decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, int num_heads, "
       "int num_kv_heads, float scale) -> Tensor");
+  m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dsinfer, CatchAll, m) { m.impl("int4_dense_supported", &int4_dense_supported); }
@@ -584,4 +615,5 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_dequantize_t", &int4_dequantize_t);
   m.impl("rope_decode_attention", &rope_decode_attention);
+  m.impl("apply_token_bitmask_", &apply_token_bitmask_);
 }
