@@ -289,7 +289,7 @@ def main() -> int:
                 "ttft_p50": statistics.median([s.ttft for s in short]) if short else None,
                 "ttft_p99": percentile([s.ttft for s in short], 99) if short else None,
                 "rss_mib": rss_mib(server.pid),
-                "kv_blocks_used": metric(url, "dsinfer_kv_blocks_used"),
+                "kv_blocks_used": metric(url, "dsinfer:kv_blocks_used"),
             }
             if minute >= next_swap and minute < args.minutes:
                 current = swap(url, paths, current)
@@ -301,7 +301,7 @@ def main() -> int:
         for c in clients:
             c.join(timeout=600)
         time.sleep(2)
-        leaked = metric(url, "dsinfer_kv_blocks_used")
+        leaked = metric(url, "dsinfer:kv_blocks_used")
         health = httpx.get(f"{url}/health", timeout=30).json()
     finally:
         server.terminate()

@@ -89,6 +89,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="vLLM's spelling of --parallel pp=N",
     )
+    p.add_argument(
+        "--device-profile",
+        default=None,
+        metavar="NAME|JSON",
+        help="peaks that MBU/MFU are measured against (a built-in profile or a `dsinfer probe` "
+        "JSON); default: this CPU, measured at start-up",
+    )
     p.add_argument("--nnodes", type=int, default=1, help="machines the ranks spread over")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 serves)")
     p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
@@ -167,6 +174,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         seed=args.seed,
         tokenizer=args.tokenizer,
         chat_template=args.chat_template,
+        device_profile=args.device_profile,
         random_weights=args.random_weights,
         random_quant=args.random_quant,
         trusted_keys=tuple(args.trusted_key),

@@ -137,6 +137,9 @@ class EngineConfig:
     tokenizer: str | None = None  # default: the model's own files
     # A Jinja chat template (its text, or a file holding it) replacing the tokenizer's.
     chat_template: str | None = None
+    # The peaks utilisation is measured against: a built-in profile name or a `dsinfer probe`
+    # JSON; None measures this CPU at start-up (or takes the device type's built-in profile).
+    device_profile: str | None = None
     random_weights: bool = False  # build from config.json with seeded random weights
     random_quant: str = "none"  # with random_weights: int8 | int4 layouts (large configs)
     # Trust policy for artifacts: public keys their signature must verify with (plus

@@ -96,7 +96,7 @@ def test_serve_auth_and_graceful_sigterm():
         t = threading.Thread(target=long_request)
         t.start()
         # SIGTERM only once the request is running, however slow the machine.
-        running = 'dsinfer_num_requests_running{model="smollm2"} 1'
+        running = 'dsinfer:num_requests_running{model_name="smollm2",version=""} 1.0'
         deadline = time.monotonic() + 30
         while running not in httpx.get(f"{url}/metrics").text:
             assert time.monotonic() < deadline, "the request never started"

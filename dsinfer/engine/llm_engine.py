@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from dsinfer.artifact.source import load_model_source
 from dsinfer.artifact.verify import TrustPolicy
 from dsinfer.config import EngineConfig
@@ -20,6 +22,7 @@ from dsinfer.engine.kv_cache_manager import KVCacheManager
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dsinfer.engine.request import Request, RequestStatus
 from dsinfer.engine.scheduler import Scheduler, StepUpdate
+from dsinfer.engine.utilization import UtilizationMeter, device_peaks, step_model
 from dsinfer.models.loader import EMBEDDED_MODELS, LoadedModel, resolve_model_path
 from dsinfer.sampling import SamplingParams, check_token_ids
 from dsinfer.structured import compiler_for
@@ -58,6 +61,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = resolve_device(config.device)
+        peak_dtype = torch.bfloat16 if config.dtype != "float32" else torch.float32
+        # Probed before the model loads: its buffers never add to the process's peak memory.
+        peaks = device_peaks(config.device_profile, peak_dtype, device.type)
         if world_size(config) > 1:
             self.executor: UniprocExecutor | MultiprocExecutor = MultiprocExecutor(
                 config, load_for_config, device
@@ -92,6 +98,9 @@ class LLMEngine:
         self.pool = BlockPool(self.executor.num_blocks, config.cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, self.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.utilization = UtilizationMeter(
+            step_model(self.executor.runner.model, loaded.config, self.kv_bytes_per_token), *peaks
+        )
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
@@ -154,8 +163,13 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if not sched_out.seqs and not sched_out.finished_req_ids:
             return []
+        t0 = time.perf_counter()
         result, failures = execute_isolating(
             self.executor.execute, sched_out, self.executor.is_engine_fault
+        )
+        self.utilization.record(
+            time.perf_counter() - t0,
+            [(len(s.token_ids), s.start_pos) for s in sched_out.seqs],
         )
         outputs = [self.fail_request(rid, why) for rid, why in failures.items()]
         if failures:

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -18,6 +18,7 @@ from dsinfer.server.admin import admin_router
 from dsinfer.server.chat import chat_completion
 from dsinfer.server.completions import completion
 from dsinfer.server.http_io import bearer_token, keys_match, parse, read_json
+from dsinfer.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.middleware import ServerMiddleware
 from dsinfer.server.protocol import (
@@ -68,8 +69,8 @@ def build_app(
     """The HTTP app over a registry of models and versions. `build_version(name, path)` loads a
     new version for the admin API (verified under the server's trust policy)."""
     app = FastAPI(title="dsinfer", version="0.1.0")
-    metrics = metrics or ServerMetrics()
     registry = as_registry(models)
+    metrics = metrics or ServerMetrics(registry.served)
     app.state.registry = registry
     app.state.metrics = metrics
 
@@ -81,7 +82,7 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        metrics.requests.inc(1, route_of(request), str(exc.status))
+        metrics.requests.labels(route_of(request), str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -93,7 +94,7 @@ def build_app(
             if exc.status_code in (404, 405)
             else str(exc.detail)
         )
-        metrics.requests.inc(1, "unmatched", str(exc.status_code))
+        metrics.requests.labels("unmatched", str(exc.status_code)).inc()
         return JSONResponse(
             APIError(exc.status_code, message, code=code).body(),
             status_code=exc.status_code,
@@ -103,7 +104,7 @@ def build_app(
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error on %s", request.url.path)
-        metrics.requests.inc(1, route_of(request), "500")
+        metrics.requests.labels(route_of(request), "500").inc()
         return JSONResponse(
             APIError(500, f"internal error: {exc}", "server_error").body(), status_code=500
         )
@@ -166,7 +167,7 @@ def build_app(
             result = await run(served, body, metrics, request)
         except Exception as e:  # refused by the engine, failed alone, or the engine stopped
             raise as_api_error(e) from e
-        metrics.requests.inc(1, route_of(request), "200")  # streamed ones too (status sent: 200)
+        metrics.requests.labels(route_of(request), "200").inc()  # streamed: their 200 is sent
         return result
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.body_of(ChatCompletionRequest))
@@ -240,13 +241,8 @@ def build_app(
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
-    async def _metrics() -> PlainTextResponse:
-        metrics.retain_models({m.name for m in registry.served()})
-        for m in registry.served():
-            metrics.restarts.set_total(m.engine.restarts, m.name)
-            if m.engine.engine is not None:
-                metrics.update_engine(m.name, m.engine.engine)
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+    async def _metrics() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/tokenize", openapi_extra=openapi.body_of(TokenizeRequest))
     async def _tokenize(request: Request) -> dict:

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from dsinfer.sampling import split_samples
-from dsinfer.server.metrics import ServerMetrics
+from dsinfer.server.metrics import ServerMetrics, labels_of
 from dsinfer.server.protocol import APIError, ChatCompletionRequest
 from dsinfer.server.reasoning import ReasoningParser, split_reasoning
 from dsinfer.server.serving import (
@@ -127,8 +127,8 @@ async def chat_completion(
         raise APIError(400, str(e)) from None
     all_params = split_samples(params, body.n)
     rid = new_id("chatcmpl")
-    metrics.prompt_tokens.inc(len(ids), served.name)
-    timing = Timing(metrics, served.name)
+    metrics.prompt_tokens.labels(*labels_of(served)).inc(len(ids))
+    timing = Timing(metrics, labels_of(served))
     streams = open_streams(served, ids, all_params, rid)
     if body.stream:
         gen = _stream(served, body, ids, prompt_text, streams, rid, timing)
@@ -146,8 +146,7 @@ async def _full(served, body, ids, prompt_text, streams, rid, timing) -> dict:  
         st.track(out)
         st.text, st.token_ids, st.finish_reason = c.text, c.token_ids, c.finish_reason
         st.logprobs = c.logprobs or []
-    timing.done()
-    return {
+    response = {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -155,6 +154,7 @@ async def _full(served, body, ids, prompt_text, streams, rid, timing) -> dict:  
         "choices": [
             {
                 "index": st.index,
+                # Before finish_reason: a message that calls tools makes it "tool_calls".
                 "message": _message(served, body, st, prompt_text),
                 "logprobs": chat_logprobs(served.tokenizer, st.logprobs) if body.logprobs else None,
                 "finish_reason": st.finish_reason,
@@ -163,6 +163,8 @@ async def _full(served, body, ids, prompt_text, streams, rid, timing) -> dict:  
         ],
         "usage": _usage(len(ids), choices),
     }
+    timing.done(choices)
+    return response
 
 
 def _usage(n_prompt: int, choices: list[ChoiceState]) -> dict:
@@ -235,7 +237,7 @@ async def _stream(served, body, ids, prompt_text, streams, rid, timing) -> Async
                 yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}])
     except Exception as e:  # refused, failed alone, or the engine stopped: said in the stream
         yield stream_error(e)
-    timing.done()
+    timing.done(states)
     if include_usage:
         yield chunk([], _usage(len(ids), states))
     yield "data: [DONE]\n\n"

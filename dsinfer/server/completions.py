@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from dsinfer.sampling import check_token_ids, split_samples
-from dsinfer.server.metrics import ServerMetrics
+from dsinfer.server.metrics import ServerMetrics, labels_of
 from dsinfer.server.protocol import APIError, CompletionRequest
 from dsinfer.server.serving import (
     ChoiceState,
@@ -66,9 +66,9 @@ async def completion(
         except ValueError as e:
             raise APIError(400, str(e)) from None
         jobs.append((p_index, ids, split_samples(params, body.n)))
-        metrics.prompt_tokens.inc(len(ids), served.name)
+        metrics.prompt_tokens.labels(*labels_of(served)).inc(len(ids))
     rid = new_id("cmpl")
-    timing = Timing(metrics, served.name)
+    timing = Timing(metrics, labels_of(served))
     # Every prompt's requests go to the engine now, so a list of prompts runs as one batch.
     opened: list[RequestStream] = []
     try:
@@ -132,7 +132,7 @@ async def _full(served, body, jobs, streams_of, rid, timing) -> dict:  # noqa: A
                 }
             )
             n_out += len(st.token_ids)
-    timing.done()
+    timing.done(all_states)
     return {
         "id": rid,
         "object": "text_completion",
@@ -176,7 +176,7 @@ async def _stream(served, body, ids, streams, rid, timing) -> AsyncIterator[str]
                 )
     except Exception as e:  # refused, failed alone, or the engine stopped: said in the stream
         yield stream_error(e)
-    timing.done()
+    timing.done(states)
     if include_usage:
         n_out = sum(len(s.token_ids) for s in states)
         yield chunk([], usage(len(ids), n_out, states))

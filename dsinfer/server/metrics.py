@@ -1,166 +1,148 @@
-"""Prometheus metrics in the text exposition format (a small, dependency-free registry)."""
+"""/metrics through prometheus-client: one registry per server, vLLM's names where the meaning
+is the same (prefix `dsinfer:` for `vllm:`), labels `model_name` and `version`.
+
+Request-side figures (latencies, tokens, finished requests, HTTP statuses) are recorded as they
+happen; engine state (queues, KV pool, prefix cache, preemptions, speculation, utilisation) is
+read from the served engines when Prometheus scrapes (EngineCollector), so an unloaded version
+simply stops being reported. The standard process, platform and GC collectors come with it.
+"""
 
 from __future__ import annotations
 
-import bisect
-import threading
-from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
-LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    30.0,
-    60.0,
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "dsinfer:"
+LABELS = ("model_name", "version")
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0,
+)  # fmt: skip
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-def _escape(value: str) -> str:
-    """Label values as the exposition format wants them: a quote or newline in a value would
-    otherwise make the whole page unparseable."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
-    if not names:
-        return ""
-    inner = ",".join(f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True))
-    return "{" + inner + "}"
-
-
-class Counter:
-    def __init__(self, name: str, help_: str, labels: tuple[str, ...] = ()) -> None:
-        self.name, self.help, self.label_names = name, help_, labels
-        self.values: dict[tuple[str, ...], float] = defaultdict(float)
-        self._lock = threading.Lock()
-
-    def inc(self, amount: float = 1.0, *labels: str) -> None:
-        with self._lock:
-            self.values[labels] += amount
-
-    def set_total(self, value: float, *labels: str) -> None:
-        """Mirror a running total kept elsewhere (it only grows)."""
-        with self._lock:
-            self.values[labels] = max(self.values[labels], value)
-
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        for lv, v in sorted(self.values.items()):
-            out.append(f"{self.name}{_labels(self.label_names, lv)} {v}")
-        return out
-
-
-class Gauge(Counter):
-    def set(self, value: float, *labels: str) -> None:
-        with self._lock:
-            self.values[labels] = value
-
-    def render(self) -> list[str]:
-        lines = super().render()
-        lines[1] = f"# TYPE {self.name} gauge"
-        return lines
-
-
-class Histogram:
-    def __init__(
-        self,
-        name: str,
-        help_: str,
-        buckets: tuple[float, ...] = LATENCY_BUCKETS,
-        labels: tuple[str, ...] = (),
-    ) -> None:
-        self.name, self.help, self.buckets, self.label_names = name, help_, buckets, labels
-        self._data: dict[tuple[str, ...], list[float]] = {}
-        self._lock = threading.Lock()
-
-    def observe(self, value: float, *labels: str) -> None:
-        with self._lock:
-            d = self._data.setdefault(labels, [0.0] * (len(self.buckets) + 2))
-            d[bisect.bisect_left(self.buckets, value)] += 1  # per-bucket, cumulated on render
-            d[-1] += value
-
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        for lv, d in sorted(self._data.items()):
-            cum = 0.0
-            for le, n in zip([*map(str, self.buckets), "+Inf"], d[:-1], strict=True):
-                cum += n
-                names = (*self.label_names, "le")
-                out.append(f"{self.name}_bucket{_labels(names, (*lv, le))} {cum}")
-            out.append(f"{self.name}_sum{_labels(self.label_names, lv)} {d[-1]}")
-            out.append(f"{self.name}_count{_labels(self.label_names, lv)} {cum}")
-        return out
+def labels_of(served: Any) -> tuple[str, str]:
+    """(model_name, version) of a served version: NAME@VERSION splits, a checkpoint has ""."""
+    name = served.name.split("@", 1)[0]
+    return name, served.version or ""
 
 
 class ServerMetrics:
-    """Everything /metrics exposes; engine gauges are refreshed by `update_engine`."""
+    """Everything /metrics exposes. `served` lists the versions being served right now."""
 
-    def __init__(self) -> None:
-        m = ("model",)
+    def __init__(self, served: Callable[[], Iterable[Any]] = lambda: ()) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter(
-            "dsinfer_requests_total", "HTTP requests by endpoint and status", ("endpoint", "status")
+            f"{PREFIX}http_requests",
+            "HTTP requests by route template and status (streamed ones when their 200 is sent)",
+            ("route", "status"),
+            registry=r,
         )
         self.ttft = Histogram(
-            "dsinfer_time_to_first_token_seconds", "Time to first token", labels=m
+            f"{PREFIX}time_to_first_token_seconds", "Time to first token", LABELS,
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            f"{PREFIX}inter_token_latency_seconds", "Time between output tokens", LABELS,
+            buckets=ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds", "End-to-end request latency", LABELS,
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            f"{PREFIX}prompt_tokens", "Prompt tokens processed", LABELS, registry=r
         )
-        self.itl = Histogram("dsinfer_inter_token_latency_seconds", "Time between tokens", labels=m)
-        self.e2e = Histogram("dsinfer_e2e_request_latency_seconds", "End-to-end latency", labels=m)
-        self.prompt_tokens = Counter("dsinfer_prompt_tokens_total", "Prompt tokens", m)
-        self.generation_tokens = Counter("dsinfer_generation_tokens_total", "Generated tokens", m)
-        self.queue = Gauge("dsinfer_num_requests_waiting", "Requests waiting", m)
-        self.running = Gauge("dsinfer_num_requests_running", "Sequences running", m)
-        self.kv_used = Gauge("dsinfer_kv_blocks_used", "KV blocks in use", m)
-        self.kv_free = Gauge("dsinfer_kv_blocks_free", "KV blocks free or evictable", m)
-        self.kv_usage = Gauge("dsinfer_kv_cache_usage_perc", "KV pool usage, 0..1", m)
-        self.prefix_hit = Gauge("dsinfer_prefix_cache_hit_rate", "Prefix-cache block hit rate", m)
-        self.preemptions = Gauge("dsinfer_num_preemptions_total", "Preemptions so far", m)
-        self.drafts = Gauge("dsinfer_spec_draft_tokens_total", "Speculative drafts verified", m)
-        self.accepted = Gauge("dsinfer_spec_accepted_tokens_total", "Drafts accepted", m)
-        self.restarts = Counter(
-            "dsinfer_engine_restarts_total",
-            "Engine restarts after a fault that was no request's",
-            m,
+        self.generation_tokens = Counter(
+            f"{PREFIX}generation_tokens", "Tokens generated", LABELS, registry=r
         )
-        self.acceptance = Gauge(
-            "dsinfer_spec_acceptance_rate", "Accepted / verified drafts so far (MTP)", m
+        self.request_success = Counter(
+            f"{PREFIX}request_success",
+            "Finished requests by finish reason (stop, length, tool_calls, abort, error)",
+            (*LABELS, "finished_reason"),
+            registry=r,
         )
+        r.register(EngineCollector(served))
 
-    def update_engine(self, model: str, engine) -> None:  # noqa: ANN001 (an LLMEngine)
-        s, pool = engine.scheduler, engine.pool
-        self.queue.set(len(s.waiting), model)
-        self.running.set(len(s.running), model)
-        self.kv_used.set(pool.num_used, model)
-        self.kv_free.set(pool.num_free, model)
-        self.kv_usage.set(pool.num_used / pool.num_blocks, model)
-        self.prefix_hit.set(pool.hits / pool.queries if pool.queries else 0.0, model)
-        self.preemptions.set(s.num_preemptions, model)
-        self.drafts.set(s.num_draft_tokens, model)
-        self.accepted.set(s.num_accepted_draft_tokens, model)
-        rate = s.num_accepted_draft_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0
-        self.acceptance.set(rate, model)
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
-    def retain_models(self, names: set[str]) -> None:
-        """Drop the engine gauges of versions no longer served: an unloaded version's last
-        KV and queue figures would otherwise be reported forever (and summed by dashboards)."""
-        for metric in vars(self).values():
-            if isinstance(metric, Gauge) and metric.label_names == ("model",):
-                with metric._lock:
-                    for key in [k for k in metric.values if k[0] not in names]:
-                        del metric.values[key]
 
-    def render(self) -> str:
-        parts: list[str] = []
-        for metric in vars(self).values():
-            parts.extend(metric.render())
-        return "\n".join(parts) + "\n"
+class EngineCollector(Collector):
+    """Engine state, read at scrape time from every served version."""
+
+    def __init__(self, served: Callable[[], Iterable[Any]]) -> None:
+        self.served = served
+
+    def describe(self) -> list[Metric]:
+        return []  # collected live: the families depend on what is served
+
+    def collect(self) -> Iterator[Metric]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}{name}", doc, labels=LABELS)
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}{name}", doc, labels=LABELS)
+
+        fams = {
+            "running": gauge("num_requests_running", "Requests running (in the batch)"),
+            "waiting": gauge("num_requests_waiting", "Requests waiting to be scheduled"),
+            "usage": gauge("kv_cache_usage_perc", "KV pool usage, 0..1"),
+            "used": gauge("kv_blocks_used", "KV blocks in use"),
+            "free": gauge("kv_blocks_free", "KV blocks free or evictable"),
+            "mbu": gauge("memory_bandwidth_utilization", "Bytes moved / (busy time × peak "
+                         "bandwidth) over the last minute, 0..1 (docs/metrics.md)"),
+            "mfu": gauge("flops_utilization", "FLOPs / (busy time × peak FLOP/s) over the "
+                         "last minute, 0..1"),
+            "bw": gauge("achieved_bandwidth_bytes_per_second", "Bytes moved per busy second "
+                        "over the last minute"),
+            "busy": gauge("engine_busy_ratio", "Share of the last minute spent in steps"),
+            "hits": counter("prefix_cache_hits", "Prefix-cache hits (blocks)"),
+            "queries": counter("prefix_cache_queries", "Prefix-cache lookups (blocks)"),
+            "preempt": counter("num_preemptions", "Requests preempted (KV freed, recomputed)"),
+            "drafts": counter("spec_decode_num_draft_tokens", "Speculative drafts verified"),
+            "accepted": counter("spec_decode_num_accepted_tokens", "Drafts accepted"),
+            "restarts": counter("engine_restarts", "Engine restarts after a fault that was "
+                                "no request's"),
+        }  # fmt: skip
+        for served in self.served():
+            lv = list(labels_of(served))
+            runner = served.engine
+            fams["restarts"].add_metric(lv, runner.restarts)
+            engine = runner.engine
+            if engine is None:
+                continue  # restarting: no state to read
+            s, pool = engine.scheduler, engine.pool
+            fams["running"].add_metric(lv, len(s.running))
+            fams["waiting"].add_metric(lv, len(s.waiting))
+            fams["usage"].add_metric(lv, pool.num_used / pool.num_blocks)
+            fams["used"].add_metric(lv, pool.num_used)
+            fams["free"].add_metric(lv, pool.num_free)
+            fams["hits"].add_metric(lv, pool.hits)
+            fams["queries"].add_metric(lv, pool.queries)
+            fams["preempt"].add_metric(lv, s.num_preemptions)
+            fams["drafts"].add_metric(lv, s.num_draft_tokens)
+            fams["accepted"].add_metric(lv, s.num_accepted_draft_tokens)
+            util = engine.utilization.snapshot()
+            fams["mbu"].add_metric(lv, util.mbu)
+            fams["mfu"].add_metric(lv, util.mfu)
+            fams["bw"].add_metric(lv, util.bandwidth)
+            fams["busy"].add_metric(lv, util.busy)
+        yield from fams.values()

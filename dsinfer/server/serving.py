@@ -116,8 +116,8 @@ class ChoiceState:
 class Timing:
     """Per-request latency bookkeeping for the metrics histograms."""
 
-    def __init__(self, metrics: ServerMetrics, model: str) -> None:
-        self.metrics, self.model = metrics, model
+    def __init__(self, metrics: ServerMetrics, labels: tuple[str, str]) -> None:
+        self.metrics, self.labels = metrics, labels
         self.start = time.perf_counter()
         self.last: float | None = None
 
@@ -126,14 +126,18 @@ class Timing:
             return
         now = time.perf_counter()
         if self.last is None:
-            self.metrics.ttft.observe(now - self.start, self.model)
+            self.metrics.ttft.labels(*self.labels).observe(now - self.start)
         else:
-            self.metrics.itl.observe((now - self.last) / n, self.model)
+            self.metrics.itl.labels(*self.labels).observe((now - self.last) / n)
         self.last = now
-        self.metrics.generation_tokens.inc(n, self.model)
+        self.metrics.generation_tokens.labels(*self.labels).inc(n)
 
-    def done(self) -> None:
-        self.metrics.e2e.observe(time.perf_counter() - self.start, self.model)
+    def done(self, choices: Sequence[ChoiceState] = ()) -> None:
+        """The request ended: its latency, and each choice's finish reason."""
+        self.metrics.e2e.labels(*self.labels).observe(time.perf_counter() - self.start)
+        for c in choices:
+            reason = c.finish_reason or "abort"
+            self.metrics.request_success.labels(*self.labels, reason).inc()
 
 
 def usage(n_prompt: int, n_out: int, choices: Sequence[ChoiceState] = ()) -> dict:

@@ -140,7 +140,7 @@ def test_an_engine_fault_restarts_the_engine_and_it_serves_again(tiny_config):
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 4}, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
         metrics = httpx.get(f"{url}/metrics").text
-        assert 'dsinfer_engine_restarts_total{model="tiny"} 1' in metrics
+        assert 'dsinfer:engine_restarts_total{model_name="tiny",version=""} 1.0' in metrics
     assert len(builds) == 2
     served.engine.shutdown()
 

@@ -152,12 +152,13 @@ def test_canary_rollout_and_rollback_under_streaming_load(server, versions):
         assert r.status_code == 200 and r.json()["weights"] == {ids[v1]: 1.0, ids[v2]: 0.0}
         assert _served_by(client, 20) == Counter({v1: 20})
 
-        assert f'dsinfer_kv_blocks_used{{model="{v2}"}}' in httpx.get(f"{url}/metrics").text
+        used = 'dsinfer:kv_blocks_used{{model_name="tiny",version="{}"}}'
+        assert used.format(ids[v2]) in httpx.get(f"{url}/metrics").text
         r = _admin(url, "DELETE", f"/models/tiny/versions/{ids[v2]}")
         assert r.status_code == 200, r.text
         metrics = httpx.get(f"{url}/metrics").text  # an unloaded version's gauges are gone
-        assert f'dsinfer_kv_blocks_used{{model="{v2}"}}' not in metrics
-        assert f'dsinfer_kv_blocks_used{{model="{v1}"}}' in metrics
+        assert used.format(ids[v2]) not in metrics
+        assert used.format(ids[v1]) in metrics
     assert not load.failures, load.failures[:3]
     assert len(load.streams) > 20
     assert all(len(models) == 1 for models in load.streams)  # each stream from one version

@@ -31,8 +31,10 @@ def test_usage_and_metrics_report_drafts(mtp_dir):
             # Steps 2..7 verify a draft; the 8th has room for one token only, so drafts none.
             assert r.usage.completion_tokens == 8 and drafted == 6
             text = httpx.get(f"{url}/metrics").text
-            assert 'dsinfer_spec_draft_tokens_total{model="tiny"} 6' in text
-            assert 'dsinfer_spec_acceptance_rate{model="tiny"}' in text
+            assert (
+                'dsinfer:spec_decode_num_draft_tokens_total{model_name="tiny",version=""} 6' in text
+            )
+            assert 'dsinfer:spec_decode_num_accepted_tokens_total{model_name="tiny"' in text
             sampled = client.completions.create(
                 model="tiny", prompt="w5", max_tokens=4, temperature=0.9, seed=3
             )

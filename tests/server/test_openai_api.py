@@ -197,17 +197,22 @@ def test_health_metrics_models_tokenize(base_url, served):
     assert back["prompt"] == "人工智能"
     text = httpx.get(f"{base_url}/metrics").text
     for name in (
-        "dsinfer_time_to_first_token_seconds_bucket",
-        "dsinfer_kv_blocks_free",
-        "dsinfer_kv_cache_usage_perc",
-        "dsinfer_prefix_cache_hit_rate",
-        "dsinfer_num_preemptions_total",
-        "dsinfer_prompt_tokens_total",
-        "dsinfer_generation_tokens_total",
-        'dsinfer_requests_total{endpoint="/v1/chat/completions",status="200"}',
-        "dsinfer_e2e_request_latency_seconds",
-        "dsinfer_inter_token_latency_seconds",
-        "dsinfer_num_requests_waiting",
+        'dsinfer:time_to_first_token_seconds_bucket{le="0.005",model_name="smollm2",version=""}',
+        'dsinfer:kv_blocks_free{model_name="smollm2",version=""}',
+        "dsinfer:kv_cache_usage_perc",
+        "dsinfer:prefix_cache_hits_total",
+        "dsinfer:prefix_cache_queries_total",
+        "dsinfer:num_preemptions_total",
+        "dsinfer:prompt_tokens_total",
+        "dsinfer:generation_tokens_total",
+        'dsinfer:http_requests_total{route="/v1/chat/completions",status="200"}',
+        'dsinfer:request_success_total{finished_reason="length",model_name="smollm2"',
+        "dsinfer:e2e_request_latency_seconds",
+        "dsinfer:inter_token_latency_seconds",
+        "dsinfer:num_requests_waiting",
+        "dsinfer:memory_bandwidth_utilization",
+        "dsinfer:flops_utilization",
+        "process_resident_memory_bytes",
     ):
         assert name in text, name
 

@@ -1,0 +1,181 @@
+"""Honest utilisation: the bytes and FLOPs each engine step had to move and do, over its wall
+time, against the machine's peaks (docs/metrics.md has the formulas).
+
+Per step, for the tokens it computed (decodes and prefill chunks alike):
+  bytes = W + E(T) + KV_read + KV_write
+    W        weight bytes every forward reads (as stored: int4/int8/bf16/fp32), the embedding
+             table excepted (a lookup reads T rows of it, counted below)
+    E(T)     routed experts: per MoE layer, the experts T tokens are expected to touch,
+             n·(1 − (1 − k/n)^T) of n with top-k, times one expert's bytes
+    KV_read  Σ over sequences of (context length before the step) × KV bytes per token
+    KV_write T × KV bytes per token
+  flops = 2 · P_active · T + Σ over sequences of 4 · L · H · D · (new tokens × context)
+    P_active the parameters one token multiplies with (routed experts: top-k of them)
+
+MBU = Σ bytes / (Σ step seconds × peak bandwidth), MFU = Σ flops / (Σ step seconds × peak
+FLOP/s), both over the steps of the last minute; a machine waiting for work is not counted as
+busy (engine_busy_ratio says how much it was).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+WINDOW_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepModel:
+    """What a step costs, from the loaded model's shape and storage."""
+
+    weight_bytes: float  # read by every forward (embedding table and routed experts excepted)
+    embedding_row_bytes: float
+    expert_bytes: float  # one routed expert in one MoE layer
+    num_experts: int
+    experts_per_token: int
+    moe_layers: int
+    active_params: float
+    kv_bytes_per_token: int
+    attention_width: int  # L · H · D: query heads × head dim summed over layers
+
+    def cost(self, seqs: list[tuple[int, int]]) -> tuple[float, float]:
+        """(bytes, flops) of one step over (new tokens, context before them) per sequence."""
+        tokens = sum(n for n, _ in seqs)
+        if tokens == 0:
+            return 0.0, 0.0
+        experts = 0.0
+        if self.num_experts:
+            share = self.experts_per_token / self.num_experts
+            touched = self.num_experts * (1.0 - (1.0 - share) ** tokens)
+            experts = self.moe_layers * touched * self.expert_bytes
+        kv_read = sum(ctx for _, ctx in seqs) * self.kv_bytes_per_token
+        kv_write = tokens * self.kv_bytes_per_token
+        moved = self.weight_bytes + experts + tokens * self.embedding_row_bytes + kv_read + kv_write
+        # Attention: QKᵀ and PV, 2 FLOPs a multiply-add each, over the context each new token
+        # sees (its own earlier tokens in the chunk included, on average half of them).
+        attn = sum(4 * self.attention_width * n * (ctx + (n + 1) / 2) for n, ctx in seqs)
+        return moved, 2.0 * self.active_params * tokens + attn
+
+
+@dataclass(frozen=True, slots=True)
+class Utilization:
+    mbu: float = 0.0
+    mfu: float = 0.0
+    bandwidth: float = 0.0  # bytes per busy second
+    flops: float = 0.0  # FLOPs per busy second
+    busy: float = 0.0  # share of the window spent in steps
+
+
+class UtilizationMeter:
+    """Rolling sums over the last minute of steps; read from the server's thread."""
+
+    def __init__(self, model: StepModel, peak_bandwidth: float, peak_flops: float) -> None:
+        self.model = model
+        self.peak_bandwidth, self.peak_flops = peak_bandwidth, peak_flops
+        self._steps: deque[tuple[float, float, float, float]] = deque()  # end, s, bytes, flops
+        self._lock = threading.Lock()
+
+    def record(self, seconds: float, seqs: list[tuple[int, int]]) -> None:
+        moved, flops = self.model.cost(seqs)
+        now = time.monotonic()
+        with self._lock:
+            self._steps.append((now, seconds, moved, flops))
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._steps and self._steps[0][0] < now - WINDOW_S:
+            self._steps.popleft()
+
+    def snapshot(self) -> Utilization:
+        with self._lock:
+            self._trim(time.monotonic())
+            busy = sum(s for _, s, _, _ in self._steps)
+            moved = sum(b for _, _, b, _ in self._steps)
+            flops = sum(f for _, _, _, f in self._steps)
+        if busy <= 0:
+            return Utilization()
+        bw, fl = moved / busy, flops / busy
+        return Utilization(
+            mbu=bw / self.peak_bandwidth if self.peak_bandwidth else 0.0,
+            mfu=fl / self.peak_flops if self.peak_flops else 0.0,
+            bandwidth=bw,
+            flops=fl,
+            busy=min(1.0, busy / WINDOW_S),
+        )
+
+
+def step_model(model, config, kv_bytes_per_token: int) -> StepModel:  # noqa: ANN001
+    """StepModel of a loaded nn.Module: bytes as its tensors are stored, FLOPs from the shape."""
+    from dsinfer.planner.model_shape import model_shape
+
+    shape = model_shape(config)
+    weight = embed = experts = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        size = t.numel() * t.element_size()
+        if "embed_tokens" in name:
+            embed += size
+        elif ".experts." in name:
+            experts += size
+        elif "rotary" not in name and "cos_sin" not in name and "inv_freq" not in name:
+            weight += size
+    n_exp = shape.num_experts
+    return StepModel(
+        weight_bytes=float(weight),
+        embedding_row_bytes=embed / max(1, config.vocab_size),
+        expert_bytes=experts / max(1, shape.moe_layers * n_exp) if n_exp else 0.0,
+        num_experts=n_exp,
+        experts_per_token=shape.experts_per_token,
+        moe_layers=shape.moe_layers,
+        active_params=float(shape.active_params()),
+        kv_bytes_per_token=kv_bytes_per_token,
+        attention_width=config.num_layers * config.num_heads * config.head_dim,
+    )
+
+
+_probed: dict[str, tuple[float, float]] = {}
+_probe_lock = threading.Lock()
+
+
+def device_peaks(profile: str | None, dtype, device_type: str) -> tuple[float, float]:  # noqa: ANN001
+    """(peak bytes/s, peak FLOP/s at `dtype`): from a device profile (a built-in name or a
+    `dsinfer probe` JSON) when given, else measured here once per process on CPU (a 96 MiB
+    copy and a 1024² GEMM, ~0.3 s), else the built-in profile of the device type."""
+    from dsinfer.planner.profiles import load_profile
+
+    name = str(dtype).removeprefix("torch.")
+    if profile is not None:
+        p = load_profile(profile)
+        return p.memory_bandwidth, p.flops_for(name)
+    if device_type != "cpu":
+        p = load_profile({"cuda": "h200", "npu": "ascend-910b"}.get(device_type, "h200"))
+        return p.memory_bandwidth, p.flops_for(name)
+    with _probe_lock:
+        if name not in _probed:
+            _probed[name] = _probe_cpu(dtype)
+        return _probed[name]
+
+
+def _probe_cpu(dtype) -> tuple[float, float]:  # noqa: ANN001
+    import torch
+
+    def best(fn) -> float:  # noqa: ANN001
+        fn()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    def copy_rate() -> float:
+        src = torch.ones(6 * 1024**2, dtype=torch.float64)  # 2 × 48 MiB: past any L3 share
+        dst = torch.empty_like(src)
+        return 2 * src.numel() * 8 / best(lambda: dst.copy_(src))  # read + write
+
+    bandwidth = copy_rate()
+    n = 1024
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return bandwidth, 2 * n**3 / best(lambda: a @ b)
