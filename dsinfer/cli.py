@@ -360,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dsinfer.deploy import add_parser as deploy_parser
 
     deploy_parser(sub)
+    from dsinfer.top import add_parser as top_parser
+
+    top_parser(sub)
     from dsinfer.planner.commands import add_parsers as planner_parsers
 
     planner_parsers(sub)
