@@ -286,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsinfer", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--version", action="version", version=version_text())
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="json: one JSON object per log line (finished requests carry their figures)",
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
@@ -346,6 +352,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /docs and /openapi.json without the API key (with --api-key they need it)",
     )
     s.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="put the prompt text in the request log (off by default: prompts may be private)",
+    )
+    s.add_argument(
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between stats lines while busy (0: none)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=int,
         default=30,
@@ -380,10 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from dsinfer.logs import configure
+
+    configure(args.verbose, args.log_format)
     try:
         return int(args.func(args) or 0)
     except ValueError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,6 +30,7 @@ from dsinfer.server.protocol import (
     TokenizeRequest,
 )
 from dsinfer.server.serving import ServedModel, as_api_error
+from dsinfer.server.stats_log import StatsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ class ServerSettings(BaseModel):
     body_timeout_s: float = 30.0  # a body slower than this (or cut short) answers 408
     public_docs: bool = False  # /docs and /openapi.json without the API key
     lenient_fields: bool = False  # drop (and log) unknown request fields instead of 400
+    log_prompts: bool = False  # the request log carries the prompt text (off: privacy)
+    stats_interval_s: float = 10.0  # a stats line this often while busy (0: never)
 
 
 def as_registry(models: ModelRegistry | dict[str, ServedModel]) -> ModelRegistry:
@@ -73,6 +77,13 @@ def build_app(
     metrics = metrics or ServerMetrics(registry.served)
     app.state.registry = registry
     app.state.metrics = metrics
+    app.state.log_prompts = settings.log_prompts
+    if settings.stats_interval_s > 0:
+        stats = StatsLogger(metrics, registry.served)
+
+        @app.on_event("startup")
+        async def _start_stats() -> None:
+            app.state.stats_task = asyncio.create_task(stats.run(settings.stats_interval_s))
 
     app.add_middleware(ServerMiddleware, api_key=settings.api_key, public_docs=settings.public_docs)
 

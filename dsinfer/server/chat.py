@@ -128,7 +128,7 @@ async def chat_completion(
     all_params = split_samples(params, body.n)
     rid = new_id("chatcmpl")
     metrics.prompt_tokens.labels(*labels_of(served)).inc(len(ids))
-    timing = Timing(metrics, labels_of(served))
+    timing = Timing(metrics, served, request, rid, len(ids), prompt_text)
     streams = open_streams(served, ids, all_params, rid)
     if body.stream:
         gen = _stream(served, body, ids, prompt_text, streams, rid, timing)

@@ -68,7 +68,9 @@ async def completion(
         jobs.append((p_index, ids, split_samples(params, body.n)))
         metrics.prompt_tokens.labels(*labels_of(served)).inc(len(ids))
     rid = new_id("cmpl")
-    timing = Timing(metrics, labels_of(served))
+    n_prompt = sum(len(ids) for _, ids, _ in jobs)
+    prompt_text = "\n".join(p for p in prompts if isinstance(p, str)) or None
+    timing = Timing(metrics, served, request, rid, n_prompt, prompt_text)
     # Every prompt's requests go to the engine now, so a list of prompts runs as one batch.
     opened: list[RequestStream] = []
     try:

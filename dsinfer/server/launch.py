@@ -97,6 +97,8 @@ def serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         public_docs=args.public_docs,
         lenient_fields=args.lenient_fields,
+        log_prompts=args.log_prompts,
+        stats_interval_s=args.stats_interval,
     )
     app = build_app(registry, settings, build_version=version_builder(args))
 

@@ -2,6 +2,10 @@
 a client's disconnect from non-streaming handlers: their requests ran on, holding KV blocks).
 
 - `x-dsinfer-model`: which model@version served the request (set by the route in scope state).
+- `x-request-id`: the client's (when it is printable and at most 128 characters) or a new one;
+  echoed in the response, kept in scope state for the handlers' logs.
+- The access log: one line per request on the `dsinfer.access` logger (method, route
+  template, status, latency, request id).
 - Under `--api-key`, the API description (/docs, /redoc, /openapi.json) needs the key too,
   unless the server was started with `--public-docs`.
 """
@@ -9,10 +13,16 @@ a client's disconnect from non-streaming handlers: their requests ran on, holdin
 from __future__ import annotations
 
 import json
+import logging
+import time
+import uuid
 from typing import Any
 
 from dsinfer.server.http_io import keys_match
 from dsinfer.server.protocol import APIError
+
+access_log = logging.getLogger("dsinfer.access")
+MAX_REQUEST_ID = 128
 
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
@@ -51,17 +61,42 @@ class ServerMiddleware:
             )
             return
         state = scope.setdefault("state", {})
+        state["request_id"] = rid = _request_id(scope)
+        start, status = time.perf_counter(), [0]
 
-        async def send_with_model(message: dict) -> None:
+        async def send_with_headers(message: dict) -> None:
             if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", rid.encode()))
                 served_by = state.get("served_by")
                 if served_by is not None:
-                    headers = list(message.get("headers", []))
                     headers.append((b"x-dsinfer-model", served_by.encode("utf-8")))
-                    message = {**message, "headers": headers}
+                message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_model)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            route = scope.get("route")
+            access_log.info(
+                "%s %s %d %.1fms %s",
+                scope["method"],
+                getattr(route, "path", None) or "unmatched",  # the template: no raw paths
+                status[0],
+                1e3 * (time.perf_counter() - start),
+                rid,
+            )
+
+
+def _request_id(scope: dict[str, Any]) -> str:
+    for name, value in scope.get("headers", []):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if 0 < len(text) <= MAX_REQUEST_ID and text.isprintable() and text.isascii():
+                return text
+            break
+    return uuid.uuid4().hex
 
 
 async def _send_error(send: Any, err: APIError) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from dsinfer.server.async_engine import (
     EngineRestartingError,
     RequestFailedError,
 )
-from dsinfer.server.metrics import ServerMetrics
+from dsinfer.server.metrics import ServerMetrics, labels_of
 from dsinfer.server.protocol import APIError
 from dsinfer.structured import GrammarCompiler, StructuredOutputs, compiler_for
 from dsinfer.tokenizer import Tokenizer
@@ -113,12 +114,30 @@ class ChoiceState:
             self.drafts = (out.metrics.num_draft_tokens, out.metrics.num_accepted_draft_tokens)
 
 
-class Timing:
-    """Per-request latency bookkeeping for the metrics histograms."""
+request_log = logging.getLogger("dsinfer.requests")
 
-    def __init__(self, metrics: ServerMetrics, labels: tuple[str, str]) -> None:
-        self.metrics, self.labels = metrics, labels
+
+class Timing:
+    """One request's latencies for the metrics histograms, and its record in the request log
+    when it ends (`--log-format json`: one JSON line; prompt text only with `--log-prompts`)."""
+
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        served: ServedModel,
+        request: Any = None,
+        response_id: str = "",
+        prompt_tokens: int = 0,
+        prompt: str | None = None,
+    ) -> None:
+        self.metrics, self.labels, self.model = metrics, labels_of(served), served.name
+        state = getattr(request, "state", None)
+        self.request_id = getattr(state, "request_id", "") if state is not None else ""
+        app_state = getattr(getattr(request, "app", None), "state", None)
+        self.prompt = prompt if getattr(app_state, "log_prompts", False) else None
+        self.response_id, self.prompt_tokens = response_id, prompt_tokens
         self.start = time.perf_counter()
+        self.first: float | None = None
         self.last: float | None = None
 
     def tokens(self, n: int) -> None:
@@ -126,18 +145,43 @@ class Timing:
             return
         now = time.perf_counter()
         if self.last is None:
-            self.metrics.ttft.labels(*self.labels).observe(now - self.start)
+            self.first = now - self.start
+            self.metrics.ttft.labels(*self.labels).observe(self.first)
         else:
             self.metrics.itl.labels(*self.labels).observe((now - self.last) / n)
         self.last = now
         self.metrics.generation_tokens.labels(*self.labels).inc(n)
 
     def done(self, choices: Sequence[ChoiceState] = ()) -> None:
-        """The request ended: its latency, and each choice's finish reason."""
-        self.metrics.e2e.labels(*self.labels).observe(time.perf_counter() - self.start)
-        for c in choices:
-            reason = c.finish_reason or "abort"
+        """The request ended: its latency, each choice's finish reason, its log record."""
+        e2e = time.perf_counter() - self.start
+        self.metrics.e2e.labels(*self.labels).observe(e2e)
+        reasons = [c.finish_reason or "abort" for c in choices]
+        for reason in reasons:
             self.metrics.request_success.labels(*self.labels, reason).inc()
+        record = {
+            "request_id": self.request_id,
+            "id": self.response_id,
+            "model": self.model,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": sum(len(c.token_ids) for c in choices),
+            "ttft_s": None if self.first is None else round(self.first, 4),
+            "e2e_s": round(e2e, 4),
+            "finish_reason": reasons[0] if len(set(reasons)) == 1 else reasons,
+        }
+        if self.prompt is not None:
+            record["prompt"] = self.prompt
+        request_log.info(
+            "%s %s prompt=%d out=%d ttft=%s e2e=%.3fs finish=%s",
+            self.request_id or "-",
+            self.model,
+            record["prompt_tokens"],
+            record["completion_tokens"],
+            "-" if self.first is None else f"{self.first:.3f}s",
+            e2e,
+            record["finish_reason"],
+            extra={"record": record},
+        )
 
 
 def usage(n_prompt: int, n_out: int, choices: Sequence[ChoiceState] = ()) -> dict:
