@@ -275,6 +275,14 @@ def version_text() -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_cmd == "report":
+        from pathlib import Path
+
+        from dsinfer.bench.report import report_from_files
+
+        for path in report_from_files(args.results, Path(args.out)):
+            print(f"wrote {path}")
+        return 0
     if args.bench_cmd == "serve":
         from dsinfer.bench.serve import run_cli
     else:
@@ -391,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     offline_args(bsub.add_parser("offline", help="offline throughput vs transformers"))
     serve_args(bsub.add_parser("serve", help="load-test an OpenAI-compatible server"))
+    rep = bsub.add_parser("report", help="plot earlier `bench serve` results side by side")
+    rep.add_argument("results", nargs="+", metavar="RESULT.json")
+    rep.add_argument("--out", required=True, metavar="DIR")
     b.set_defaults(func=cmd_bench)
     return parser
 

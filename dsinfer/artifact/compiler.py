@@ -27,6 +27,7 @@ from dsinfer.artifact.weights_io import save_weights
 from dsinfer.config import parse_dtype
 from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, quantize_model
 from dsinfer.models.loader import LoadedModel, load_model, resolve_model_path
+from dsinfer.progress import progress
 from dsinfer.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,16 @@ def _remove_stale_partials(out: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+def _replace(tmp: Path, out: Path) -> None:
+    if out.exists():  # --force: the old artifact goes only once the new one is complete
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out)
+
+
 def compile_artifact(src: str, out: Path, opts: CompileOptions) -> Manifest:
     """Compile `src` (HF directory, GGUF file or embedded name) into the artifact `out`."""
     check_options(opts)
@@ -148,28 +159,27 @@ def compile_artifact(src: str, out: Path, opts: CompileOptions) -> Manifest:
         # grid (SmolLM2 Q4_1 → int4/64: perplexity +48%, measured).
         logger.warning("the GGUF source is quantised in groups of 32; --group-size 32 keeps it")
     quantised = opts.quant in ("int8", "int4")
-    loaded = load_model(src, torch.float32 if quantised else float_dtype(opts))
-    dtype = parse_dtype(float_dtype(opts)) if quantised else loaded.dtype
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        manifest = _write_contents(tmp, src, loaded, opts, dtype)
-        if opts.sign_key is not None:
-            sign_dir(tmp, opts.sign_key)
-        _fsync_tree(tmp)
-        if out.exists():  # --force: the old artifact goes only once the new one is complete
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
+    with progress(f"compiling {src}", 4) as stage:  # load, quantise + write, sign, sync
+        loaded = load_model(src, torch.float32 if quantised else float_dtype(opts))
+        stage(1)
+        dtype = parse_dtype(float_dtype(opts)) if quantised else loaded.dtype
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out)
+        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        tmp.mkdir()
+        try:
+            manifest = _write_contents(tmp, src, loaded, opts, dtype)
+            stage(1)
+            if opts.sign_key is not None:
+                sign_dir(tmp, opts.sign_key)
+            stage(1)
+            _fsync_tree(tmp)
+            stage(1)
+            _replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     logger.info(
         "compiled %s → %s (%s) version %s in %.1fs",
         src,

@@ -15,6 +15,7 @@ from dsinfer.artifact.errors import ArtifactError
 from dsinfer.artifact.manifest import MANIFEST, SIGNATURE, Manifest, read_manifest
 from dsinfer.artifact.safe_files import regular_file_size, sha256_regular, walk_entries
 from dsinfer.artifact.signing import verify_signature
+from dsinfer.progress import progress
 
 logger = logging.getLogger(__name__)
 TRUSTED_KEYS_ENV = "DSINFER_TRUSTED_KEYS"
@@ -68,14 +69,20 @@ def check_layout(root: Path, manifest: Manifest) -> None:
 
 
 def check_digests(root: Path, manifest: Manifest) -> None:
-    for entry in manifest.files:
-        path = root / entry.path
-        actual = sha256_regular(path, entry.size)
-        if actual != entry.sha256:
-            raise ArtifactError(
-                f"{path}: sha256 mismatch (expected {entry.sha256}, actual {actual}); "
-                "the file was altered"
-            )
+    with progress("verifying digests", sum(e.size for e in manifest.files)) as advance:
+        for entry in manifest.files:
+            _check_digest(root, entry)
+            advance(entry.size)
+
+
+def _check_digest(root: Path, entry) -> None:  # noqa: ANN001 (a manifest FileEntry)
+    path = root / entry.path
+    actual = sha256_regular(path, entry.size)
+    if actual != entry.sha256:
+        raise ArtifactError(
+            f"{path}: sha256 mismatch (expected {entry.sha256}, actual {actual}); "
+            "the file was altered"
+        )
 
 
 def check_files(root: Path, manifest: Manifest) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from dsinfer.bench.serve import WORDS
+from dsinfer.progress import progress
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +33,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="also run dsinfer on this compiled artifact (repeatable; label: its scheme)",
     )
     p.add_argument("--json", default=None, metavar="OUT")
+    p.add_argument(
+        "--out", default=None, metavar="DIR", help="write offline.json, report.md and a plot"
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 
@@ -147,44 +151,70 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(args)
     rows = []
-    for engine, label, dtype, model in _jobs(args):
-        cmd = [
-            sys.executable,
-            "-m",
-            "dsinfer.cli",
-            "bench",
-            "offline",
-            "--worker",
-            f"{engine}:{dtype}",
-            "--model",
-            model,
-            "--batch",
-            str(args.batch),
-            "--input-len",
-            str(args.input_len),
-            "--output-len",
-            str(args.output_len),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            print(f"{engine} {label}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-            return 1
-        r = json.loads(line[7:])
-        r.update(
-            engine=engine,
-            dtype=label,
-            single_tok_s=args.output_len / r["single_s"],
-            batch_tok_s=args.batch * args.output_len / r["batch_s"],
-        )
-        rows.append(r)
-        print(
-            f"{engine:13s} {label:9s} single {r['single_tok_s']:7.1f} tok/s   "
-            f"batch{args.batch} {r['batch_tok_s']:7.1f} tok/s   "
-            f"peak RSS {r['peak_rss_mib']:7.0f} MiB   load {r['load_s']:.1f}s"
-            + (f"   ({r['config']})" if "config" in r else ""),
-            flush=True,
-        )
+    jobs = list(_jobs(args))
+    with progress("benchmark runs", len(jobs)) as advance:
+        for job in jobs:
+            row = _run_job(args, *job)
+            if row is None:
+                return 1
+            rows.append(row)
+            advance(1)
+    _print_ratios(args, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    if args.out:
+        from dsinfer.bench.report import write_offline_report
+
+        for path in write_offline_report(rows, Path(args.out), args.batch):
+            print(f"wrote {path}")
+    return 0
+
+
+def _run_job(
+    args: argparse.Namespace, engine: str, label: str, dtype: str, model: str
+) -> dict | None:
+    """One measurement in its own process; None (after saying why) when it failed."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsinfer.cli",
+        "bench",
+        "offline",
+        "--worker",
+        f"{engine}:{dtype}",
+        "--model",
+        model,
+        "--batch",
+        str(args.batch),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        print(f"{engine} {label}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    r = json.loads(line[7:])
+    r.update(
+        engine=engine,
+        dtype=label,
+        single_tok_s=args.output_len / r["single_s"],
+        batch_tok_s=args.batch * args.output_len / r["batch_s"],
+    )
+    print(
+        f"{engine:13s} {label:9s} single {r['single_tok_s']:7.1f} tok/s   "
+        f"batch{args.batch} {r['batch_tok_s']:7.1f} tok/s   "
+        f"peak RSS {r['peak_rss_mib']:7.0f} MiB   load {r['load_s']:.1f}s"
+        + (f"   ({r['config']})" if "config" in r else ""),
+        flush=True,
+    )
+    return r
+
+
+def _print_ratios(args: argparse.Namespace, rows: list[dict]) -> None:
     by = {(r["engine"], r["dtype"]): r for r in rows}
     for dtype in args.dtypes.split(","):
         a, b = by.get(("dsinfer", dtype)), by.get(("transformers", dtype))
@@ -204,7 +234,3 @@ def run_cli(args: argparse.Namespace) -> int:
                 f"{r['batch_tok_s'] / ref['batch_tok_s']:.2f}x, peak RSS "
                 f"{r['peak_rss_mib'] / ref['peak_rss_mib']:.2f}x"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-    return 0

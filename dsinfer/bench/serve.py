@@ -32,7 +32,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", default=None)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument(
+        "--concurrency",
+        default="1",
+        help="concurrent streams; a comma list (1,4,16) runs a sweep, one level after another",
+    )
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument(
         "--duration",
@@ -45,6 +49,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
     p.add_argument("--allow-remote", action="store_true")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="write serve.json, report.md and plots (throughput, latency, distribution)",
+    )
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="run the same load against another OpenAI-compatible server (llama-server, "
+        "vLLM) in the same run, one after the other (repeatable)",
+    )
+    p.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        help="names of --url then each --compare in the report (default: the URLs)",
+    )
 
 
 @dataclass
@@ -160,6 +184,7 @@ def report(results: list[Result], wall: float, args: argparse.Namespace) -> dict
         "ttft_s": summarize([r.ttft for r in ok]),
         "itl_s": summarize([x for r in ok for x in r.itls]),
         "e2e_s": summarize([r.e2e for r in ok]),
+        "e2e_samples_s": [round(r.e2e, 4) for r in ok],
         "first_errors": [r.error for r in results if not r.ok][:3],
     }
     e2e = rep["e2e_s"]
@@ -187,21 +212,54 @@ def print_report(rep: dict) -> None:
         print(f"error: {e}")
 
 
+def concurrency_levels(spec: str | int) -> list[int]:
+    try:
+        levels = [int(x) for x in str(spec).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--concurrency {spec!r}: write a number or a list such as 1,4,16"
+        ) from None
+    if not levels or min(levels) < 1:
+        raise ValueError("--concurrency levels must be >= 1")
+    return levels
+
+
 def run_cli(args: argparse.Namespace) -> int:
-    if args.concurrency < 1 or args.num_requests < 1:
-        raise ValueError("--concurrency and --num-requests must be >= 1")
+    levels = concurrency_levels(args.concurrency)
+    if args.num_requests < 1:
+        raise ValueError("--num-requests must be >= 1")
     if args.duration is not None and not 0 < args.duration <= 4 * 3600:
         raise ValueError("--duration must be between 0 and 14400 seconds")
+    urls = [args.url, *args.compare]
+    labels = args.label or urls
+    if len(labels) != len(urls):
+        raise ValueError(f"{len(labels)} --label for {len(urls)} servers (--url and --compare)")
     if not args.allow_remote:
-        check_loopback(args.url)
+        for url in urls:
+            check_loopback(url)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise here
-    results, wall = asyncio.run(run_load(args))
-    rep = report(results, wall, args)
-    print_report(rep)
+    series: dict[str, list[dict]] = {}
+    failed = False
+    for url, label in zip(urls, labels, strict=True):
+        for level in levels:
+            run = argparse.Namespace(**{**vars(args), "url": url, "concurrency": level})
+            results, wall = asyncio.run(run_load(run))
+            rep = report(results, wall, run)
+            print_report(rep)
+            series.setdefault(label, []).append(rep)
+            failed = failed or rep["errors"] > 0
     if args.json:
+        only = series[labels[0]]
         with open(args.json, "w") as f:
-            json.dump(rep, f, indent=2)
-    return 0 if rep["errors"] == 0 else 1
+            json.dump(only[0] if len(only) == 1 and len(urls) == 1 else series, f, indent=2)
+    if args.out:
+        from pathlib import Path
+
+        from dsinfer.bench.report import write_serve_report
+
+        for path in write_serve_report(series, Path(args.out)):
+            print(f"wrote {path}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from dsinfer.models.gguf_file import (
 )
 from dsinfer.models.gguf_int4 import finish_gguf_int4, pack_gguf_int4
 from dsinfer.models.registry import config_from_hf, model_class
+from dsinfer.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -139,26 +140,8 @@ def load_weights(
     params = {n: p for n, p in params.items() if n not in preloaded}
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
-    for ck_name, tensor in weights:
-        if ck_name.endswith(_IGNORED_SUFFIXES) or (tied and ck_name == "lm_head.weight"):
-            continue
-        mapped = mapper(ck_name) if mapper is not None else None
-        if mapped is not None:
-            target, shard = mapped
-            if not target:
-                continue
-        else:
-            target, shard = fused_target(ck_name, packed)
-        if target not in params:
-            unexpected.append(ck_name)
-            continue
-        param = params[target]
-        try:
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor, shard)
-        except ValueError as e:
-            raise ValueError(f"checkpoint tensor {ck_name}: {e}") from None
-        loaded.add((target, shard))
+    with progress("loading weights", len(expected)) as advance:
+        _copy_weights(weights, params, packed, mapper, tied, loaded, unexpected, advance)
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if unexpected or missing:
         more_u = "…" if len(unexpected) > 8 else ""
@@ -179,6 +162,31 @@ class LoadedModel:
     dtype: torch.dtype
     tokenizer_path: Path | None = None  # default: `path` (HF directory or GGUF file)
     version: str | None = None  # an artifact's short version hash
+
+
+def _copy_weights(weights, params, packed, mapper, tied, loaded, unexpected, advance) -> None:  # noqa: ANN001
+    """The loop of load_weights: each checkpoint tensor into its parameter (or shard of it)."""
+    for ck_name, tensor in weights:
+        if ck_name.endswith(_IGNORED_SUFFIXES) or (tied and ck_name == "lm_head.weight"):
+            continue
+        mapped = mapper(ck_name) if mapper is not None else None
+        if mapped is not None:
+            target, shard = mapped
+            if not target:
+                continue
+        else:
+            target, shard = fused_target(ck_name, packed)
+        if target not in params:
+            unexpected.append(ck_name)
+            continue
+        param = params[target]
+        try:
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {ck_name}: {e}") from None
+        loaded.add((target, shard))
+        advance(1)
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> nn.Module:

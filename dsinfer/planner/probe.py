@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from dsinfer.planner.dispatch_probe import expert_overhead, layer_overhead
+from dsinfer.progress import progress
 
 
 def _best(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -109,22 +110,32 @@ def link_between_processes() -> tuple[float, float, float, float]:
 
 def probe(name: str = "this-cpu") -> dict[str, Any]:
     threads = torch.get_num_threads()
-    bandwidth = memory_bandwidth()
-    torch.set_num_threads(1)  # one device = one single-threaded process
-    try:
-        # One thread cannot saturate the memory system: a device's own ceiling.
-        device_bandwidth = memory_bandwidth()
-        flops = {
-            "float32": gemm_flops(torch.float32),
-            "bfloat16": gemm_flops(torch.bfloat16),
-            "int8": int8_weight_rate(),
-        }
-        per_layer, per_expert = layer_overhead(), expert_overhead()
-    finally:
-        torch.set_num_threads(threads)
+    with progress("probing this machine", 8) as step:
+        bandwidth = memory_bandwidth()
+        step(1)
+        torch.set_num_threads(1)  # one device = one single-threaded process
+        try:
+            # One thread cannot saturate the memory system: a device's own ceiling.
+            device_bandwidth = memory_bandwidth()
+            step(1)
+            flops = {}
+            for key, measure in (
+                ("float32", lambda: gemm_flops(torch.float32)),
+                ("bfloat16", lambda: gemm_flops(torch.bfloat16)),
+                ("int8", int8_weight_rate),
+            ):
+                flops[key] = measure()
+                step(1)
+            per_layer = layer_overhead()
+            step(1)
+            per_expert = expert_overhead()
+            step(1)
+        finally:
+            torch.set_num_threads(threads)
+        latency, link_bw, concurrent, idle = link_between_processes()
+        step(1)
     cores = os.cpu_count() or 1
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    latency, link_bw, concurrent, idle = link_between_processes()
     link = {
         "bandwidth": link_bw,
         "latency": latency,
