@@ -48,9 +48,17 @@ def load_levels(url: str, levels: list[int], args: argparse.Namespace) -> dict[i
         )
         # One warm-up request: neither side pays first-call costs in the figures.
         asyncio.run(run_load(argparse.Namespace(**{**vars(ns), "num_requests": 1})))
+        before = step_counters(url)
         results, wall = asyncio.run(run_load(ns))
         out[c] = report(results, wall, ns)
         r = out[c]
+        after = step_counters(url)
+        if before and after and after["seconds"] > before["seconds"]:
+            # dsinfer's own accounting (docs/metrics.md) over exactly this level's steps.
+            moved = after["bytes"] - before["bytes"]
+            r["mbu"] = moved / (after["seconds"] - before["seconds"]) / after["peak"]
+            r["bandwidth_busy"] = moved / (after["seconds"] - before["seconds"])
+            r["peak_bandwidth"] = after["peak"]
         print(
             f"  c={c}: {r['output_tokens_per_s']:.1f} out tok/s, TTFT p50/p99 "
             f"{r['ttft_s']['p50']:.2f}/{r['ttft_s']['p99']:.2f} s, ITL p50 "
@@ -58,6 +66,30 @@ def load_levels(url: str, levels: list[int], args: argparse.Namespace) -> dict[i
             flush=True,
         )
     return out
+
+
+def step_counters(url: str) -> dict[str, float] | None:
+    """dsinfer's step totals (bytes, seconds) and peak bandwidth; None for other servers."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    if "dsinfer:step_bytes_total" not in text:
+        return None
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        "bytes": values["dsinfer:step_bytes_total"],
+        "seconds": values["dsinfer:step_seconds_total"],
+        "peak": values["dsinfer:peak_bandwidth_bytes_per_second"],
+    }
+
+
+def gguf_weight_bytes(path: str) -> int:
+    """What llama.cpp reads per forward: every tensor (SmolLM2's head is the tied embedding,
+    read whole for the logits)."""
+    from dsinfer.models.gguf_reader import GGUFFile
+
+    return sum(t.data.nbytes for t in GGUFFile(path).tensors)
 
 
 def run_server(name: str, cmd: list[str], url: str, levels: list[int], args) -> dict:  # noqa: ANN001
@@ -147,6 +179,26 @@ def main() -> int:
                 f"{1e3 * lv['itl_s']['p50']:.1f}",
             ]
         print("| " + " | ".join(cells) + " |")
+    weights = gguf_weight_bytes(gguf)
+    print(f"\nBandwidth (weights read per forward: llama-server {weights / 2**20:.0f} MiB):")
+    for c in levels:
+        b = base["levels"][c]
+        # One forward serves all the streams that decode together: ~min(c, 16) tokens.
+        forwards = b["output_tokens_per_s"] / min(c, 16)
+        print(
+            f"  c={c}: llama-server effective {weights * forwards / 1e9:.2f} GB/s (weights × "
+            f"forwards/s); dsinfer:",
+            end="",
+        )
+        for name, r in runs.items():
+            lv = r["levels"][c]
+            if "mbu" in lv:
+                print(
+                    f" [{name}] MBU {100 * lv['mbu']:.1f}% ({lv['bandwidth_busy'] / 1e9:.2f} "
+                    f"of {lv['peak_bandwidth'] / 1e9:.1f} GB/s)",
+                    end="",
+                )
+        print()
     (Path(args.out) / "serve_compare.json").write_text(
         json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": runs}, indent=2)
     )

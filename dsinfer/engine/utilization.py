@@ -77,6 +77,8 @@ class UtilizationMeter:
         self.peak_bandwidth, self.peak_flops = peak_bandwidth, peak_flops
         self._steps: deque[tuple[float, float, float, float]] = deque()  # end, s, bytes, flops
         self._lock = threading.Lock()
+        # Running totals since start (Prometheus counters: rates over any interval).
+        self.total_seconds = self.total_bytes = self.total_flops = 0.0
 
     def record(self, seconds: float, seqs: list[tuple[int, int]]) -> None:
         moved, flops = self.model.cost(seqs)
@@ -84,6 +86,9 @@ class UtilizationMeter:
         with self._lock:
             self._steps.append((now, seconds, moved, flops))
             self._trim(now)
+            self.total_seconds += seconds
+            self.total_bytes += moved
+            self.total_flops += flops
 
     def _trim(self, now: float) -> None:
         while self._steps and self._steps[0][0] < now - WINDOW_S:

@@ -114,6 +114,11 @@ class EngineCollector(Collector):
             "bw": gauge("achieved_bandwidth_bytes_per_second", "Bytes moved per busy second "
                         "over the last minute"),
             "busy": gauge("engine_busy_ratio", "Share of the last minute spent in steps"),
+            "peak_bw": gauge("peak_bandwidth_bytes_per_second", "The peak MBU divides by"),
+            "peak_fl": gauge("peak_flops", "The peak FLOP/s MFU divides by"),
+            "step_s": counter("step_seconds", "Seconds spent in engine steps"),
+            "step_b": counter("step_bytes", "Bytes engine steps had to move (MBU's numerator)"),
+            "step_f": counter("step_flops", "FLOPs engine steps had to do (MFU's numerator)"),
             "hits": counter("prefix_cache_hits", "Prefix-cache hits (blocks)"),
             "queries": counter("prefix_cache_queries", "Prefix-cache lookups (blocks)"),
             "preempt": counter("num_preemptions", "Requests preempted (KV freed, recomputed)"),
@@ -145,4 +150,10 @@ class EngineCollector(Collector):
             fams["mfu"].add_metric(lv, util.mfu)
             fams["bw"].add_metric(lv, util.bandwidth)
             fams["busy"].add_metric(lv, util.busy)
+            meter = engine.utilization
+            fams["peak_bw"].add_metric(lv, meter.peak_bandwidth)
+            fams["peak_fl"].add_metric(lv, meter.peak_flops)
+            fams["step_s"].add_metric(lv, meter.total_seconds)
+            fams["step_b"].add_metric(lv, meter.total_bytes)
+            fams["step_f"].add_metric(lv, meter.total_flops)
         yield from fams.values()
