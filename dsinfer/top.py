@@ -11,6 +11,7 @@ whose /metrics needs the key).
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
@@ -190,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console, Group
     from rich.live import Live
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape is noise here
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     urls = [u.rstrip("/") for u in args.urls]
     # A pipe or a log gets the whole table (no terminal width to fit), without colours.

@@ -173,6 +173,7 @@ async def _stream(served, body, ids, streams, rid, timing) -> AsyncIterator[str]
                     [{"index": i, "text": c.delta_text, "logprobs": lp, "finish_reason": None}]
                 )
             if out.finished:
+                st.finish_reason = c.finish_reason
                 yield chunk(
                     [{"index": i, "text": "", "logprobs": None, "finish_reason": c.finish_reason}]
                 )

@@ -38,7 +38,14 @@ def cpu_flags() -> str:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode()):
+    # torch's location too: two environments sharing the cache would otherwise rebuild each
+    # other's build directory (ninja sees new include paths).
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        torch.__file__.encode(),
+        " ".join(CFLAGS).encode(),
+    ):
         h.update(part)
     h.update(cpu_flags().encode())
     return h.hexdigest()[:16]
