@@ -209,7 +209,8 @@ def test_versions_in_responses_headers_metrics_and_errors(server, versions):
     assert r.json()["model"] == v1 and r.headers["x-dsinfer-model"] == v1
     r = httpx.post(f"{url}/v1/completions", json={**body, "model": "tiny@nope"}, headers=headers)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    assert f'model="{v1}"' in httpx.get(f"{url}/metrics").text
+    version = v1.split("@")[1]
+    assert f'model_name="tiny",version="{version}"' in httpx.get(f"{url}/metrics").text
     bad = _admin(url, "PUT", "/models/tiny/weights", {"weights": {"tiny": -1}})
     assert bad.status_code in (400, 404)
     assert _admin(url, "POST", "/models/ghost/rollback").status_code == 404
