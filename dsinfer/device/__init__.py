@@ -58,3 +58,19 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
     else:
         torch.npu.set_device(dev)  # type: ignore[attr-defined]
     return dev
+
+
+def memory_stats(device: torch.device) -> dict[str, float] | None:
+    """The accelerator's own memory counters (bytes: allocated, reserved by the caching
+    allocator, peak allocated) — None on CPU, whose memory the process collector reports."""
+    if device.type == "cuda":
+        mod = torch.cuda
+    elif device.type == "npu":
+        mod = torch.npu  # type: ignore[attr-defined]  # added by torch_npu
+    else:
+        return None
+    return {
+        "allocated": float(mod.memory_allocated(device)),
+        "reserved": float(mod.memory_reserved(device)),
+        "peak_allocated": float(mod.max_memory_allocated(device)),
+    }

@@ -25,6 +25,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dsinfer.device import memory_stats
+
 PREFIX = "dsinfer:"
 LABELS = ("model_name", "version")
 LATENCY_BUCKETS = (
@@ -126,6 +128,10 @@ class EngineCollector(Collector):
             "accepted": counter("spec_decode_num_accepted_tokens", "Drafts accepted"),
             "restarts": counter("engine_restarts", "Engine restarts after a fault that was "
                                 "no request's"),
+            "dev_alloc": gauge("device_memory_allocated_bytes", "Accelerator memory allocated "
+                               "(CUDA/NPU allocator; absent on CPU)"),
+            "dev_reserved": gauge("device_memory_reserved_bytes", "Accelerator memory reserved "
+                                  "by the caching allocator"),
         }  # fmt: skip
         for served in self.served():
             lv = list(labels_of(served))
@@ -156,4 +162,8 @@ class EngineCollector(Collector):
             fams["step_s"].add_metric(lv, meter.total_seconds)
             fams["step_b"].add_metric(lv, meter.total_bytes)
             fams["step_f"].add_metric(lv, meter.total_flops)
+            device = memory_stats(engine.executor.runner.device)
+            if device is not None:
+                fams["dev_alloc"].add_metric(lv, device["allocated"])
+                fams["dev_reserved"].add_metric(lv, device["reserved"])
         yield from fams.values()

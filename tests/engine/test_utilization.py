@@ -61,3 +61,11 @@ def test_step_model_of_a_loaded_model_counts_its_stored_bytes(tmp_path):
     assert step.kv_bytes_per_token == llm.engine.kv_bytes_per_token
     peak_bw = llm.engine.utilization.peak_bandwidth
     assert peak_bw > 1e8  # measured at start-up: more than 100 MB/s on any machine
+
+
+def test_device_memory_counters_only_where_the_device_has_them():
+    import torch
+
+    from dsinfer.device import memory_stats
+
+    assert memory_stats(torch.device("cpu")) is None  # the process collector covers the CPU
