@@ -130,7 +130,6 @@ class ToolOutput:
         self.mode, self.parser, self.named = mode, parser, named  # mode: auto|required|named
         self._buffer = ""  # auto: text from the call marker on; required: the whole JSON
         self._holding = False
-        self._sent_calls = 0
         self._named_id: str | None = None
         self._scan = _ArrayScanner()
 
@@ -164,38 +163,26 @@ class ToolOutput:
         return out
 
     def _auto(self, delta: str, final: bool) -> tuple[str, list[dict]]:
+        """Content until the parser's start marker (a partial marker at the end is held
+        back); from the marker on, the text is held and parsed when the output ends."""
         assert self.parser is not None
+        content = ""
         if self._holding:
             self._buffer += delta
         else:
             text = self._buffer + delta
-            at = text.find(self.parser.start) if self.parser.start else -1
+            at = text.find(self.parser.start)
             if at >= 0:
-                self._holding, self._buffer = True, text[at:]
-                delta_out = text[:at]
+                self._holding, self._buffer, content = True, text[at:], text[:at]
             else:
                 keep = 0 if final else partial_suffix(text, self.parser.start)
-                self._buffer = text[len(text) - keep :]
-                delta_out = text[: len(text) - keep]
-            if not final:
-                return delta_out, []
-            delta = delta_out
-            if not self._holding:
-                return delta, []
-            return delta + self._finish_auto(), self._calls_out
-        if not final:
-            return "", []
-        return self._finish_auto(), self._calls_out
-
-    def _finish_auto(self) -> str:
-        """At the end: the held text as calls, or back to content when it is not calls."""
-        assert self.parser is not None
-        content, calls = self.parser.parse(self._buffer)
+                self._buffer, content = text[len(text) - keep :], text[: len(text) - keep]
+        if not final or not self._holding:
+            return content, []
+        before, calls = self.parser.parse(self._buffer)
         if not calls:
-            self._calls_out: list[dict] = []
-            return self._buffer
-        self._calls_out = [self._call_deltas(i, c) for i, c in enumerate(calls)]
-        return content or ""
+            return content + self._buffer, []  # not calls after all: it was content
+        return content + (before or ""), [self._call_deltas(i, c) for i, c in enumerate(calls)]
 
     @staticmethod
     def _call_deltas(index: int, call: ToolCall) -> dict:
