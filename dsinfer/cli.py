@@ -6,66 +6,15 @@ import argparse
 import logging
 import sys
 
-from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
+from dsinfer.config import EngineConfig
 from dsinfer.distributed.parallel_state import check_grid
+from dsinfer.engine_args import DEFAULT_MODEL, EngineArgs
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="activations and KV cache; float16 is served as bfloat16 (same range, fast on CPUs)",
-    )
-    p.add_argument("--device", default="cpu", help="cpu | cuda | npu | auto")
-    p.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "reference", "fused"],
-        help="kernels: fused (CPU fast path), reference (eager torch, the exactness oracle), "
-        "auto (fused where it runs)",
-    )
-    p.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "int8", "int4"],
-        help="weights quantised at load; auto: a Q4_0/Q4_1/Q8_0 GGUF keeps int4/int8 "
-        "(bf16 activations) unless --dtype float32",
-    )
-    p.add_argument("--kv-cache-memory", default="512MiB", help="KV pool budget, e.g. 512MiB")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="override the budget")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's own")
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE|TEMPLATE",
-        help="a Jinja chat template (a file, or the text) replacing the tokenizer's",
-    )
-    p.add_argument(
-        "--random-weights",
-        action="store_true",
-        help="build from config.json with seeded random weights (speed/memory only)",
-    )
-    p.add_argument(
-        "--random-quant",
-        default="none",
-        choices=["none", "int8", "int4"],
-        help="with --random-weights: quantised layouts (configs too large for float weights)",
-    )
-    p.add_argument(
-        "--trusted-key",
-        action="append",
-        default=[],
-        metavar="PUB",
-        help="public key an artifact's signature must verify with (repeatable; "
-        "also DSINFER_TRUSTED_KEYS)",
-    )
+    """The engine's flags (one per EngineArgs field), then the grid's: --parallel and vLLM's
+    -tp/-pp spellings of it."""
+    EngineArgs.add_cli_args(p)
     p.add_argument(
         "--parallel",
         default=None,
@@ -88,29 +37,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="vLLM's spelling of --parallel pp=N",
-    )
-    p.add_argument(
-        "--device-profile",
-        default=None,
-        metavar="NAME|JSON",
-        help="peaks that MBU/MFU are measured against (a built-in profile or a `dsinfer probe` "
-        "JSON); default: this CPU, measured at start-up",
-    )
-    p.add_argument("--nnodes", type=int, default=1, help="machines the ranks spread over")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 serves)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
-    p.add_argument(
-        "--master-port", type=int, default=None, help="node 0's rendezvous port (several nodes)"
-    )
-    p.add_argument(
-        "--no-mtp",
-        action="store_true",
-        help="do not use a DeepSeek-V3 checkpoint's MTP layer for speculative decoding",
-    )
-    p.add_argument(
-        "--allow-unsigned",
-        action="store_true",
-        help="opt out of the trust policy: load unsigned artifacts and raw checkpoints",
     )
 
 
@@ -165,40 +91,9 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
             "same grid (e.g. --parallel tp=4,pp=2)"
         )
     tp, pp, ep = resolve_parallel(args.parallel, model)
-    return EngineConfig(
-        model=model,
-        dtype=args.dtype,
-        device=args.device,
-        backend=args.backend,
-        quantization=args.quantization,
-        seed=args.seed,
-        tokenizer=args.tokenizer,
-        chat_template=args.chat_template,
-        device_profile=args.device_profile,
-        random_weights=args.random_weights,
-        random_quant=args.random_quant,
-        trusted_keys=tuple(args.trusted_key),
-        allow_unsigned=args.allow_unsigned,
-        mtp=not args.no_mtp,
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        expert_parallel=ep,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory_bytes=parse_memory(args.kv_cache_memory),
-            num_blocks=args.num_kv_blocks,
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-        ),
-    )
+    return EngineArgs.from_cli(
+        args, model, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep
+    ).engine_config()
 
 
 def run_worker_node(args: argparse.Namespace, model: str) -> int:
@@ -252,13 +147,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.served_model_name:
         if len(args.model) > 1:
             raise ValueError("--served-model-name names one model; use NAME=PATH for several")
-        path = parse_model_spec((args.model or ["smollm2"])[0])[1]
+        path = parse_model_spec((args.model or [DEFAULT_MODEL])[0])[1]
         args.model = [f"{args.served_model_name}={path}"]
 
-    if args.nnodes > 1 and len(args.model or ["smollm2"]) > 1:
+    if args.nnodes > 1 and len(args.model or [DEFAULT_MODEL]) > 1:
         raise ValueError("--nnodes > 1 serves one --model (its ranks span the nodes)")
     if args.node_rank > 0:
-        return run_worker_node(args, parse_model_spec((args.model or ["smollm2"])[0])[1])
+        return run_worker_node(args, parse_model_spec((args.model or [DEFAULT_MODEL])[0])[1])
     return serve(args)
 
 
@@ -303,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("--model", default="smollm2", help="HF directory, .gguf file or 'smollm2'")
+    g.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"HF directory, .gguf file or '{DEFAULT_MODEL}'"
+    )
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -331,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="[NAME=]PATH",
-        help="model to serve (repeatable); default: the embedded smollm2",
+        help=f"model to serve (repeatable); default: the embedded {DEFAULT_MODEL}",
     )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

@@ -5,83 +5,30 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import fields
 from typing import Any
 
-from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
+from dsinfer.engine_args import DEFAULT_MODEL, EngineArgs, engine_arg_names
 from dsinfer.sampling import SamplingParams, split_samples
 
 PromptType = str | dict[str, Any]
 
 
 class LLM:
-    """Load a model (path, GGUF file or the embedded name "smollm2") and run batches offline.
+    """Load a model (a path, a GGUF file, a compiled artifact or the embedded name "smollm2")
+    and run batches offline. Keyword arguments are EngineArgs' fields (dsinfer/engine_args.py,
+    the same options `dsinfer serve` takes as flags); listed below with their defaults."""
 
-    Keyword arguments: dtype ("auto" | "float32" | "bfloat16"), device, seed, block_size,
-    kv_cache_memory ("512MiB"), num_blocks, enable_prefix_caching, max_num_seqs,
-    max_num_batched_tokens, max_model_len, tokenizer (another tokenizer source), chat_template
-    (template text or a file: replaces the tokenizer's), random_weights (build from config.json
-    with seeded random weights, for speed and memory at real shapes).
-    """
-
-    def __init__(
-        self,
-        model: str = "smollm2",
-        dtype: str = "auto",
-        device: str = "cpu",
-        backend: str = "auto",
-        quantization: str = "auto",
-        seed: int = 0,
-        block_size: int = 16,
-        kv_cache_memory: str | int = "512MiB",
-        num_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 1024,
-        max_model_len: int | None = None,
-        tokenizer: str | None = None,
-        chat_template: str | None = None,
-        device_profile: str | None = None,
-        random_weights: bool = False,
-        random_quant: str = "none",
-        trusted_keys: tuple[str, ...] | list[str] = (),
-        allow_unsigned: bool = False,
-        mtp: bool = True,
-        tensor_parallel: int = 1,
-        pipeline_parallel: int = 1,
-        expert_parallel: int = 1,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            backend=backend,
-            quantization=quantization,
-            seed=seed,
-            tokenizer=tokenizer,
-            chat_template=chat_template,
-            device_profile=device_profile,
-            random_weights=random_weights,
-            random_quant=random_quant,
-            trusted_keys=tuple(str(k) for k in trusted_keys),
-            allow_unsigned=allow_unsigned,
-            mtp=mtp,
-            tensor_parallel=tensor_parallel,
-            pipeline_parallel=pipeline_parallel,
-            expert_parallel=expert_parallel,
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=parse_memory(kv_cache_memory),
-                num_blocks=num_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-            ),
-        )
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - engine_arg_names())
+        if unknown:
+            raise ValueError(
+                f"LLM() got unknown argument(s) {', '.join(unknown)}; the engine's options are "
+                f"{', '.join(sorted(engine_arg_names() - {'model'}))}"
+            )
+        config = EngineArgs(model=model, **kwargs).engine_config()
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
@@ -167,3 +114,12 @@ def _progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
     with Progress(transient=True) as bar:
         task = bar.add_task("generating", total=total)
         yield lambda: bar.advance(task)
+
+
+def _document_options() -> None:
+    """LLM's docstring lists every engine option with its default and help, from EngineArgs."""
+    lines = [f"    {f.name} ({f.default!r}): {f.metadata['help']}" for f in fields(EngineArgs)]
+    LLM.__doc__ = f"{LLM.__doc__}\n\n" + "\n".join(lines)
+
+
+_document_options()

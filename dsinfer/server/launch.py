@@ -13,6 +13,8 @@ from pathlib import Path
 import uvicorn
 
 from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.engine_args import DEFAULT_MODEL
+from dsinfer.models.loader import EMBEDDED_MODELS
 from dsinfer.registry.store import ModelRegistry, Version
 from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.async_engine import AsyncEngine
@@ -29,8 +31,8 @@ def parse_model_spec(spec: str) -> tuple[str, str]:
         if not name or not path:
             raise ValueError(f"bad --model {spec!r}; write NAME=PATH or PATH")
         return name, path
-    if spec == "smollm2":
-        return "smollm2", spec
+    if spec in EMBEDDED_MODELS:
+        return spec, spec
     return Path(spec).stem, spec
 
 
@@ -61,7 +63,7 @@ def load_served_models(args: argparse.Namespace) -> ModelRegistry:
     takes all traffic; the others load at weight 0 for the admin API to shift)."""
     build = version_builder(args)
     registry = ModelRegistry()
-    for name, path in [parse_model_spec(s) for s in (args.model or ["smollm2"])]:
+    for name, path in [parse_model_spec(s) for s in (args.model or [DEFAULT_MODEL])]:
         served = build(name, path)
         registry.add(name, Version.of(served, path))
     return registry

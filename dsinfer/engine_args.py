@@ -1,0 +1,199 @@
+"""EngineArgs: every engine option written once — its default, its help, its command-line flag.
+
+`dsinfer generate|serve` get their engine flags from `add_cli_args`, `LLM(...)` its keyword
+arguments from the same fields (`EngineArgs(**kwargs)`), and both build the one EngineConfig
+with `engine_config()`. A new option is a new field here and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
+
+DEFAULT_MODEL = "smollm2"  # the embedded model (models/loader.EMBEDDED_MODELS)
+QUANT_FORMATS = ("int8", "int4")
+
+
+def _opt(help_: str, flag: str | None = None, **argparse_kwargs: Any) -> dict[str, Any]:
+    """Field metadata: the CLI flag (default: --field-name), its help and argparse extras.
+    `negate="--no-x"` makes a default-True boolean a store_false flag; `cli=False` keeps a
+    field off the command line (LLM(...) only)."""
+    return {"help": help_, "flag": flag, "argparse": argparse_kwargs}
+
+
+@dataclass
+class EngineArgs:
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata=_opt("HF directory, .gguf file, compiled artifact, or the embedded 'smollm2'",
+                      cli=False),
+    )  # fmt: skip
+    dtype: str = field(
+        default="auto",
+        metadata=_opt(
+            "activations and KV cache; auto follows the checkpoint (bf16/fp16 → bf16; a Q4/Q8 "
+            "GGUF → bf16); float16 is served as bfloat16 (same range, fast on CPUs)",
+            choices=("auto", "float32", "bfloat16", "float16"),
+        ),
+    )
+    device: str = field(default="cpu", metadata=_opt("cpu | cuda | npu | auto"))
+    backend: str = field(
+        default="auto",
+        metadata=_opt(
+            "kernels: fused (CPU fast path), reference (eager torch, the exactness oracle), "
+            "auto (fused where it runs)",
+            choices=("auto", "reference", "fused"),
+        ),
+    )
+    quantization: str = field(
+        default="auto",
+        metadata=_opt(
+            "weights quantised at load; auto: a Q4_0/Q4_1/Q8_0 GGUF keeps int4/int8 (bf16 "
+            "activations) unless --dtype float32",
+            choices=("auto", "none", *QUANT_FORMATS),
+        ),
+    )
+    kv_cache_memory: str | int = field(
+        default="512MiB", metadata=_opt("KV pool budget, preallocated at start-up, e.g. 512MiB")
+    )
+    num_blocks: int | None = field(
+        default=None,
+        metadata=_opt("KV blocks (overrides the budget)", flag="--num-kv-blocks", type=int),
+    )
+    block_size: int = field(default=16, metadata=_opt("tokens per KV block", type=int))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_opt("reuse KV blocks of shared prompt prefixes",
+                                    negate="--no-prefix-caching"),
+    )  # fmt: skip
+    max_num_seqs: int = field(default=64, metadata=_opt("requests in a batch at most", type=int))
+    max_num_batched_tokens: int = field(
+        default=1024,
+        metadata=_opt("tokens in one step at most (long prompts are prefilled in chunks)",
+                      type=int),
+    )  # fmt: skip
+    max_model_len: int | None = field(
+        default=None, metadata=_opt("context length (default: the model's)", type=int)
+    )
+    seed: int = field(default=0, metadata=_opt("seed of the engine's sampling streams", type=int))
+    tokenizer: str | None = field(
+        default=None, metadata=_opt("tokenizer source if not the model's own")
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=_opt("a Jinja chat template (a file, or the text) replacing the tokenizer's",
+                      metavar="FILE|TEMPLATE"),
+    )  # fmt: skip
+    device_profile: str | None = field(
+        default=None,
+        metadata=_opt("peaks that MBU/MFU are measured against (a built-in profile or a "
+                      "`dsinfer probe` JSON); default: this CPU, measured at start-up",
+                      metavar="NAME|JSON"),
+    )  # fmt: skip
+    random_weights: bool = field(
+        default=False,
+        metadata=_opt("build from config.json with seeded random weights (speed/memory only)",
+                      action="store_true"),
+    )  # fmt: skip
+    random_quant: str = field(
+        default="none",
+        metadata=_opt("with --random-weights: quantised layouts (configs too large for float "
+                      "weights)", choices=("none", *QUANT_FORMATS)),
+    )  # fmt: skip
+    trusted_keys: tuple[str, ...] | list[str] = field(
+        default=(),
+        metadata=_opt("public key an artifact's signature must verify with (repeatable; also "
+                      "DSINFER_TRUSTED_KEYS)", flag="--trusted-key", action="append",
+                      metavar="PUB"),
+    )  # fmt: skip
+    allow_unsigned: bool = field(
+        default=False,
+        metadata=_opt("opt out of the trust policy: load unsigned artifacts and raw checkpoints",
+                      action="store_true"),
+    )  # fmt: skip
+    mtp: bool = field(
+        default=True,
+        metadata=_opt("do not use a DeepSeek-V3 checkpoint's MTP layer for speculative decoding",
+                      negate="--no-mtp"),
+    )  # fmt: skip
+    # The grid: on the command line through --parallel (and vLLM's -tp/-pp), see cli.py.
+    tensor_parallel: int = field(default=1, metadata=_opt("tensor-parallel ranks", cli=False))
+    pipeline_parallel: int = field(default=1, metadata=_opt("pipeline stages", cli=False))
+    expert_parallel: int = field(default=1, metadata=_opt("expert-parallel ranks", cli=False))
+    nnodes: int = field(default=1, metadata=_opt("machines the ranks spread over", type=int))
+    node_rank: int = field(default=0, metadata=_opt("this machine's index (0 serves)", type=int))
+    master_addr: str = field(default="127.0.0.1", metadata=_opt("node 0's address"))
+    master_port: int | None = field(
+        default=None, metadata=_opt("node 0's rendezvous port (several nodes)", type=int)
+    )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            backend=self.backend,
+            quantization=self.quantization,
+            seed=self.seed,
+            tokenizer=self.tokenizer,
+            chat_template=self.chat_template,
+            device_profile=self.device_profile,
+            random_weights=self.random_weights,
+            random_quant=self.random_quant,
+            trusted_keys=tuple(str(k) for k in self.trusted_keys),
+            allow_unsigned=self.allow_unsigned,
+            mtp=self.mtp,
+            tensor_parallel=self.tensor_parallel,
+            pipeline_parallel=self.pipeline_parallel,
+            expert_parallel=self.expert_parallel,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=parse_memory(self.kv_cache_memory),
+                num_blocks=self.num_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+        )
+
+    # -- the command line ----------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One flag per field (fields marked cli=False excepted)."""
+        for f in dataclasses.fields(EngineArgs):
+            meta = f.metadata
+            extra = dict(meta["argparse"])
+            if extra.pop("cli", True) is False:
+                continue
+            negate = extra.pop("negate", None)
+            if negate is not None:  # a default-True switch, turned off by --no-x
+                parser.add_argument(negate, dest=f.name, action="store_false", help=meta["help"])
+                continue
+            if extra.get("action") == "append":
+                extra["default"] = []
+            else:
+                extra.setdefault("default", f.default)
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            parser.add_argument(flag, dest=f.name, help=meta["help"], **extra)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, model: str, **overrides: Any) -> EngineArgs:
+        """The fields the parsed command line holds, for `model`."""
+        values = {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+        }
+        return cls(**{**values, "model": model, **overrides})
+
+
+def engine_arg_names() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
