@@ -30,6 +30,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check dsinfer tests benchmarks
 	$(BIN)/ruff format --check dsinfer tests benchmarks
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/dsinfer bench offline

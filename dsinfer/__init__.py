@@ -3,6 +3,6 @@
 from dsinfer.engine.llm import LLM
 from dsinfer.engine.outputs import CompletionOutput, RequestOutput
 from dsinfer.sampling import SamplingParams
+from dsinfer.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]

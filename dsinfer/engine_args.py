@@ -1,8 +1,10 @@
 """EngineArgs: every engine option written once — its default, its help, its command-line flag.
 
-`dsinfer generate|serve` get their engine flags from `add_cli_args`, `LLM(...)` its keyword
-arguments from the same fields (`EngineArgs(**kwargs)`), and both build the one EngineConfig
-with `engine_config()`. A new option is a new field here and nothing else.
+`dsinfer generate|serve` get their engine flags from `add_engine_flags` (one per field, plus
+the parallel grid's), `LLM(...)` its keyword arguments from the same fields
+(`EngineArgs(**kwargs)`), and both build the one EngineConfig (`engine_config(args, model)` /
+`EngineArgs.engine_config()`). A new option is a new field here and nothing else. The server
+takes the parsed options from here too, never from the CLI module.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
+from dsinfer.distributed.parallel_state import check_grid
 
 DEFAULT_MODEL = "smollm2"  # the embedded model (models/loader.EMBEDDED_MODELS)
 QUANT_FORMATS = ("int8", "int4")
@@ -197,3 +200,89 @@ class EngineArgs:
 
 def engine_arg_names() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+# -- the command line: the engine's flags and the grid's ------------------------------------
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (one per EngineArgs field), then the grid's: --parallel and vLLM's
+    -tp/-pp spellings of it."""
+    EngineArgs.add_cli_args(p)
+    p.add_argument(
+        "--parallel",
+        default=None,
+        metavar="auto|tp=N,pp=M,ep=K",
+        help="tensor × pipeline (× expert) parallel over processes (torch.distributed), e.g. "
+        "tp=2, pp=2, tp=2,pp=2, tp=4,ep=4; auto: plan for this machine",
+    )
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's spelling of --parallel tp=N",
+    )
+    p.add_argument(
+        "-pp",
+        "--pipeline-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's spelling of --parallel pp=N",
+    )
+
+
+def parse_parallel(spec: str | None) -> tuple[int, int, int]:
+    """`tp=N,pp=M,ep=K` (any of them, any order) → (tp, pp, ep); `auto` → (0, 0, 0), planned
+    later against the model."""
+    if spec is None:
+        return 1, 1, 1
+    if spec == "auto":
+        return 0, 0, 0  # resolved against the model by resolve_parallel
+    sizes = {"tp": 1, "pp": 1, "ep": 1}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        if key not in sizes or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--parallel {spec!r}: write auto or tp=N,pp=M,ep=K (any of them)")
+        sizes[key] = int(value)
+    check_grid(sizes["tp"], sizes["pp"], sizes["ep"])
+    return sizes["tp"], sizes["pp"], sizes["ep"]
+
+
+def resolve_parallel(spec: str | None, model: str) -> tuple[int, int, int]:
+    tp, pp, ep = parse_parallel(spec)
+    if tp == 0:
+        from dsinfer.planner.auto import choose_parallel
+
+        return choose_parallel(model)
+    return tp, pp, ep
+
+
+def parallel_spec(args: argparse.Namespace) -> str | None:
+    """--parallel, or vLLM's --tensor-parallel-size / --pipeline-parallel-size."""
+    sizes = [
+        f"{key}={n}"
+        for key, n in (("tp", args.tensor_parallel_size), ("pp", args.pipeline_parallel_size))
+        if n is not None
+    ]
+    if sizes and args.parallel is not None:
+        raise ValueError(
+            "give the grid once: --parallel, or --tensor-parallel-size/--pipeline-parallel-size"
+        )
+    return ",".join(sizes) if sizes else args.parallel
+
+
+def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    args.parallel = parallel_spec(args)
+    args.tensor_parallel_size = args.pipeline_parallel_size = None  # folded into --parallel
+    if args.parallel == "auto" and args.nnodes > 1:
+        # Each node would probe and plan on its own and could pick another grid: the group
+        # would never form. Every node must be given the same grid.
+        raise ValueError(
+            "--parallel auto plans for one machine: with --nnodes > 1 give every node the "
+            "same grid (e.g. --parallel tp=4,pp=2)"
+        )
+    tp, pp, ep = resolve_parallel(args.parallel, model)
+    return EngineArgs.from_cli(
+        args, model, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep
+    ).engine_config()

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from dsinfer.cli import build_parser, engine_config
+from dsinfer.cli import build_parser
 from dsinfer.config import EngineConfig
-from dsinfer.engine_args import DEFAULT_MODEL, EngineArgs
+from dsinfer.engine_args import DEFAULT_MODEL, EngineArgs, engine_config
 
 
 def test_defaults_agree_with_the_engine_config():

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import dsinfer
 from dsinfer.artifact.errors import ArtifactError
 from dsinfer.artifact.manifest import Manifest, config_to_dict, file_entry, write_manifest
 from dsinfer.artifact.reader import TOKENIZER_DIR
@@ -29,6 +28,7 @@ from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, quantize_model
 from dsinfer.models.loader import LoadedModel, load_model, resolve_model_path
 from dsinfer.progress import progress
 from dsinfer.tokenizer import load_tokenizer
+from dsinfer.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _write_contents(
     }
     files = [file_entry(tmp, rel) for rel in sorted(weight_files + tokenizer_files)]
     manifest = Manifest(
-        dsinfer_version=dsinfer.__version__,
+        dsinfer_version=__version__,
         model_config=config_to_dict(loaded.config),
         quantization=quantization,
         tokenizer_files=tokenizer_files,

@@ -21,8 +21,8 @@ from pydantic import BaseModel, Field
 
 from dsinfer.registry.store import ModelRegistry, RegistryError
 from dsinfer.registry.swap import load_version, unload_version
+from dsinfer.server.errors import APIError
 from dsinfer.server.http_io import bearer_token, keys_match, parse, read_json
-from dsinfer.server.protocol import APIError
 
 
 class LoadRequest(BaseModel):

@@ -18,12 +18,12 @@ from dsinfer.server import openapi
 from dsinfer.server.admin import admin_router
 from dsinfer.server.chat import chat_completion
 from dsinfer.server.completions import completion
+from dsinfer.server.errors import APIError
 from dsinfer.server.http_io import bearer_token, keys_match, parse, read_json
 from dsinfer.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dsinfer.server.metrics import ServerMetrics
 from dsinfer.server.middleware import ServerMiddleware
 from dsinfer.server.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

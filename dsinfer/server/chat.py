@@ -9,8 +9,9 @@ from typing import Any
 from fastapi import Request
 
 from dsinfer.sampling import split_samples
+from dsinfer.server.errors import APIError
 from dsinfer.server.metrics import ServerMetrics, labels_of
-from dsinfer.server.protocol import APIError, ChatCompletionRequest
+from dsinfer.server.protocol import ChatCompletionRequest
 from dsinfer.server.reasoning import ReasoningParser, split_reasoning
 from dsinfer.server.serving import (
     ChoiceState,

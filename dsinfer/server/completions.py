@@ -9,8 +9,9 @@ from typing import Any
 from fastapi import Request
 
 from dsinfer.sampling import check_token_ids, split_samples
+from dsinfer.server.errors import APIError
 from dsinfer.server.metrics import ServerMetrics, labels_of
-from dsinfer.server.protocol import APIError, CompletionRequest
+from dsinfer.server.protocol import CompletionRequest
 from dsinfer.server.serving import (
     ChoiceState,
     ServedModel,

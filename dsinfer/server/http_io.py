@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from dsinfer.server.protocol import APIError
+from dsinfer.server.errors import APIError
 
 # Deeper than any request schema needs (a chat content part is 4 levels down); json.loads
 # itself would recurse ~1000 levels before failing with RecursionError.

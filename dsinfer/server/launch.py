@@ -13,7 +13,7 @@ from pathlib import Path
 import uvicorn
 
 from dsinfer.engine.llm_engine import LLMEngine
-from dsinfer.engine_args import DEFAULT_MODEL
+from dsinfer.engine_args import DEFAULT_MODEL, engine_config
 from dsinfer.models.loader import EMBEDDED_MODELS
 from dsinfer.registry.store import ModelRegistry, Version
 from dsinfer.server.api import ServerSettings, build_app
@@ -39,7 +39,6 @@ def parse_model_spec(spec: str) -> tuple[str, str]:
 def version_builder(args: argparse.Namespace) -> Callable[[str, str], ServedModel]:
     """build(name, path) → a loaded ServedModel named NAME@VERSION (NAME for a checkpoint),
     with this server's engine flags and trust policy."""
-    from dsinfer.cli import engine_config
 
     def build(name: str, path: str) -> ServedModel:
         config = engine_config(args, path)

@@ -18,8 +18,8 @@ import time
 import uuid
 from typing import Any
 
+from dsinfer.server.errors import APIError
 from dsinfer.server.http_io import keys_match
-from dsinfer.server.protocol import APIError
 
 access_log = logging.getLogger("dsinfer.access")
 MAX_REQUEST_ID = 128

@@ -10,44 +10,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dsinfer.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from dsinfer.server.request_fields import screen_fields
 from dsinfer.structured import StructuredOutputs
 
 MAX_N = 16
 MAX_STOP_CHARS = 1000
 ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-class APIError(Exception):
-    """An error with an HTTP status and an OpenAI-style body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 class StreamOptions(BaseModel):
@@ -137,8 +105,6 @@ class _Common(BaseModel):
 
     @classmethod
     def screen(cls, data: dict[str, Any], lenient: bool) -> dict[str, Any]:
-        from dsinfer.server.request_fields import screen_fields
-
         return screen_fields(data, set(cls.model_fields), cls.CHAT, lenient)
 
     @field_validator("top_k")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from dsinfer.server.protocol import APIError
+from dsinfer.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dsinfer.server.async_engine import (
     EngineRestartingError,
     RequestFailedError,
 )
+from dsinfer.server.errors import APIError
 from dsinfer.server.metrics import ServerMetrics, labels_of
-from dsinfer.server.protocol import APIError
 from dsinfer.structured import GrammarCompiler, StructuredOutputs, compiler_for
 from dsinfer.tokenizer import Tokenizer
 from dsinfer.worker.step_io import TokenLogprobs

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling import SamplingParams
 from dsinfer.server.async_engine import RequestStream
-from dsinfer.server.protocol import APIError
+from dsinfer.server.errors import APIError
 from dsinfer.server.serving import ServedModel
 
 

@@ -123,15 +123,3 @@ def from_hf_dir(path: Path) -> Tokenizer:
         chat_template=template,
         special_tokens=specials,
     )
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load from an HF model directory (tokenizer.json + tokenizer_config.json) or a GGUF file."""
-    p = Path(path)
-    if p.is_file() and p.suffix == ".gguf":
-        from dsinfer.tokenizer.gguf_vocab import from_gguf
-
-        return from_gguf(p)
-    if p.is_dir():
-        return from_hf_dir(p)
-    raise ValueError(f"cannot load a tokenizer from {path}: give an HF directory or a .gguf file")

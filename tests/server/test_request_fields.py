@@ -11,7 +11,8 @@ import pytest
 
 from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.chat import _open_final_turn
-from dsinfer.server.protocol import APIError, ChatMessage
+from dsinfer.server.errors import APIError
+from dsinfer.server.protocol import ChatMessage
 from dsinfer.server.request_fields import COMPLETIONS_ONLY_REFUSED, NOT_IMPLEMENTED
 from tests.server.conftest import running_server, wait_idle
 
