@@ -22,7 +22,7 @@ from dsinfer.engine.kv_cache_manager import KVCacheManager
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dsinfer.engine.request import Request, RequestStatus
 from dsinfer.engine.scheduler import Scheduler, StepUpdate
-from dsinfer.engine.utilization import UtilizationMeter, device_peaks, step_model
+from dsinfer.engine.utilization import Utilization, UtilizationMeter, device_peaks, step_model
 from dsinfer.models.loader import EMBEDDED_MODELS, LoadedModel, resolve_model_path
 from dsinfer.sampling import SamplingParams, check_token_ids
 from dsinfer.structured import compiler_for
@@ -31,6 +31,32 @@ from dsinfer.worker.executor import UniprocExecutor
 from dsinfer.worker.multiproc_executor import MultiprocExecutor, world_size
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What the engine is doing now, read in one call (metrics, stats lines, admission)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    prefix_cache_hits: int
+    prefix_cache_queries: int
+    preemptions: int
+    draft_tokens: int
+    accepted_draft_tokens: int
+    utilization: Utilization
+    step_seconds: float  # totals since start: the sums behind MBU/MFU
+    step_bytes: float
+    step_flops: float
+    peak_bandwidth: float
+    peak_flops: float
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 @dataclass
@@ -134,7 +160,7 @@ class LLMEngine:
         if len(ids) + 1 > pool_tokens:
             raise ValueError(
                 f"the prompt needs {len(ids) + 1} KV slots but the whole KV pool holds "
-                f"{pool_tokens}; raise --kv-cache-memory"
+                f"{pool_tokens}; raise kv_cache_memory (--kv-cache-memory)"
             )
         if params.structured is not None:
             self.grammars.compile(params.structured)  # ValueError for a bad constraint
@@ -148,6 +174,27 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._tracked.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        s, pool, meter = self.scheduler, self.pool, self.utilization
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_blocks_used=pool.num_used,
+            kv_blocks_free=pool.num_free,
+            kv_blocks_total=pool.num_blocks,
+            prefix_cache_hits=pool.hits,
+            prefix_cache_queries=pool.queries,
+            preemptions=s.num_preemptions,
+            draft_tokens=s.num_draft_tokens,
+            accepted_draft_tokens=s.num_accepted_draft_tokens,
+            utilization=meter.snapshot(),
+            step_seconds=meter.total_seconds,
+            step_bytes=meter.total_bytes,
+            step_flops=meter.total_flops,
+            peak_bandwidth=meter.peak_bandwidth,
+            peak_flops=meter.peak_flops,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished

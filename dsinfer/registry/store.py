@@ -19,7 +19,9 @@ class Servable(Protocol):
     """What the registry needs of a loaded version (the server's ServedModel)."""
 
     name: str
-    engine: Any  # has num_pending
+    version: str | None
+    engine: Any  # an AsyncEngine: num_pending, stats(), restarts
+    tokenizer: Any
 
 
 class RegistryError(ValueError):

@@ -23,8 +23,9 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
-from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.engine.llm_engine import EngineStats, LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling import SamplingParams
 
@@ -133,6 +134,16 @@ class AsyncEngine:
     def num_running(self) -> int:
         engine = self.engine
         return len(engine.scheduler.running) if engine is not None else 0
+
+    def stats(self) -> EngineStats | None:
+        """The engine's figures now; None while it is being (re)built."""
+        engine = self.engine
+        return engine.stats() if engine is not None else None
+
+    @property
+    def device(self) -> Any:
+        engine = self.engine
+        return engine.executor.runner.device if engine is not None else None
 
     @property
     def state(self) -> str:

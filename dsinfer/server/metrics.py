@@ -137,32 +137,32 @@ class EngineCollector(Collector):
             lv = list(labels_of(served))
             runner = served.engine
             fams["restarts"].add_metric(lv, runner.restarts)
-            engine = runner.engine
-            if engine is None:
+            st = runner.stats()
+            if st is None:
                 continue  # restarting: no state to read
-            s, pool = engine.scheduler, engine.pool
-            fams["running"].add_metric(lv, len(s.running))
-            fams["waiting"].add_metric(lv, len(s.waiting))
-            fams["usage"].add_metric(lv, pool.num_used / pool.num_blocks)
-            fams["used"].add_metric(lv, pool.num_used)
-            fams["free"].add_metric(lv, pool.num_free)
-            fams["hits"].add_metric(lv, pool.hits)
-            fams["queries"].add_metric(lv, pool.queries)
-            fams["preempt"].add_metric(lv, s.num_preemptions)
-            fams["drafts"].add_metric(lv, s.num_draft_tokens)
-            fams["accepted"].add_metric(lv, s.num_accepted_draft_tokens)
-            util = engine.utilization.snapshot()
-            fams["mbu"].add_metric(lv, util.mbu)
-            fams["mfu"].add_metric(lv, util.mfu)
-            fams["bw"].add_metric(lv, util.bandwidth)
-            fams["busy"].add_metric(lv, util.busy)
-            meter = engine.utilization
-            fams["peak_bw"].add_metric(lv, meter.peak_bandwidth)
-            fams["peak_fl"].add_metric(lv, meter.peak_flops)
-            fams["step_s"].add_metric(lv, meter.total_seconds)
-            fams["step_b"].add_metric(lv, meter.total_bytes)
-            fams["step_f"].add_metric(lv, meter.total_flops)
-            device = memory_stats(engine.executor.runner.device)
+            for key, value in (
+                ("running", st.running),
+                ("waiting", st.waiting),
+                ("usage", st.kv_usage),
+                ("used", st.kv_blocks_used),
+                ("free", st.kv_blocks_free),
+                ("hits", st.prefix_cache_hits),
+                ("queries", st.prefix_cache_queries),
+                ("preempt", st.preemptions),
+                ("drafts", st.draft_tokens),
+                ("accepted", st.accepted_draft_tokens),
+                ("mbu", st.utilization.mbu),
+                ("mfu", st.utilization.mfu),
+                ("bw", st.utilization.bandwidth),
+                ("busy", st.utilization.busy),
+                ("peak_bw", st.peak_bandwidth),
+                ("peak_fl", st.peak_flops),
+                ("step_s", st.step_seconds),
+                ("step_b", st.step_bytes),
+                ("step_f", st.step_flops),
+            ):
+                fams[key].add_metric(lv, value)
+            device = memory_stats(runner.device)
             if device is not None:
                 fams["dev_alloc"].add_metric(lv, device["allocated"])
                 fams["dev_reserved"].add_metric(lv, device["reserved"])

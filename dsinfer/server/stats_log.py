@@ -34,13 +34,13 @@ class StatsLogger:
             prompt, gen = self._tokens(served)
             last_prompt, last_gen = self._last.get(served.name, (0.0, 0.0))
             self._last[served.name] = (prompt, gen)
-            engine = served.engine.engine
-            running = len(engine.scheduler.running) if engine is not None else 0
-            waiting = len(engine.scheduler.waiting) if engine is not None else 0
+            st = served.engine.stats()
+            running = st.running if st is not None else 0
+            waiting = st.waiting if st is not None else 0
             if prompt == last_prompt and gen == last_gen and not running and not waiting:
                 continue  # idle: say nothing
-            kv = engine.pool.num_used / engine.pool.num_blocks if engine is not None else 0.0
-            mbu = engine.utilization.snapshot().mbu if engine is not None else 0.0
+            kv = st.kv_usage if st is not None else 0.0
+            mbu = st.utilization.mbu if st is not None else 0.0
             out.append(
                 f"{served.name}: prompt {(prompt - last_prompt) / interval:.1f} tok/s, "
                 f"generation {(gen - last_gen) / interval:.1f} tok/s, running {running}, "

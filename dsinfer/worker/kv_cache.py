@@ -21,7 +21,7 @@ def num_blocks_for_budget(model: ModelConfig, cache: CacheConfig, dtype: torch.d
     if n < 1:
         raise ValueError(
             f"KV cache budget {cache.kv_cache_memory_bytes} bytes is smaller than one "
-            f"block ({per_block} bytes); raise --kv-cache-memory"
+            f"block ({per_block} bytes); raise kv_cache_memory (--kv-cache-memory)"
         )
     return int(n)
 
