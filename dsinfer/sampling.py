@@ -14,7 +14,21 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request decoding controls, validated on construction (ValueError names the field)."""
+    """Per-request decoding controls, validated on construction (ValueError names the field).
+
+    n (1): samples per prompt (sample i uses seed + i when seeded). max_tokens (16; None: up
+    to the context). min_tokens (0): end-of-text and stop token ids are ignored before it.
+    temperature (1.0; below 1e-5 is greedy), top_p (1.0), top_k (-1: off), min_p (0.0):
+    the usual filters, applied after the penalties. repetition_penalty (1.0: prompt and output
+    tokens, multiplicative), frequency_penalty / presence_penalty (0.0, OpenAI's, output
+    only). seed (None: drawn from the engine's seed stream, so runs are reproducible).
+    stop (strings; never shown unless include_stop_str_in_output), stop_token_ids.
+    ignore_eos (False): go on past end-of-text (benchmarks). logprobs (None, or 0..20 top
+    alternatives per token), prompt_logprobs (same, for the prompt). skip_special_tokens
+    (True): special tokens left out of the text. logit_bias ({}): token id → bias added to
+    the logits, [-100, 100]. structured (None): a JSON schema, regex, choice or grammar the
+    output must match (dsinfer.structured.StructuredOutputs).
+    """
 
     n: int = 1
     max_tokens: int | None = 16

@@ -80,6 +80,16 @@ class LLM:
             results.append(first)
         return results
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor/pipeline parallel); idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

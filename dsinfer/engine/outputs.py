@@ -10,19 +10,32 @@ from dsinfer.worker.step_io import TokenLogprobs
 
 @dataclass
 class CompletionOutput:
+    """One sample of a request.
+
+    index: which of the n samples (0..n-1). text / token_ids: everything generated so far
+    (the text cut before a stop string unless include_stop_str_in_output). logprobs: one
+    TokenLogprobs per token (chosen token's logprob, its rank, the top-n alternatives) when
+    SamplingParams.logprobs was set, else None. finish_reason: None while running, then
+    "stop" (end of text, a stop string or stop token id), "length" (max_tokens or the context)
+    "abort" (cancelled) or "error" (failed alone: RequestOutput.error says why).
+    stop_reason: the stop string or stop token id that ended it (None for end of text).
+    delta_text / delta_token_ids: what this step added (streaming)."""
+
     index: int
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Streaming: what this step added.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class RequestMetrics:
+    """Times (time.monotonic()) and counts of one request: arrival, first token, finish; the
+    prompt tokens served from the prefix cache; how often it was preempted; MTP drafts."""
+
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -41,6 +54,10 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """A request's result (or, streaming, its latest delta): the prompt as given and as ids,
+    one CompletionOutput per sample, whether it finished, prompt_logprobs (one per prompt
+    token, None for the first) when asked, metrics, and the error of a request that failed."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -36,3 +36,10 @@ def test_chat_template_text_or_file(tiny, tmp_path):
     )
     with pytest.raises(ValueError, match="no such file"):
         LLM(str(tiny), num_blocks=32, block_size=8, chat_template=str(tmp_path / "nope"))
+
+
+def test_context_manager_closes(tiny):
+    with LLM(str(tiny), num_blocks=16, block_size=8) as llm:
+        out = llm.generate("w5", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 2
+    llm.close()  # closing twice is harmless
