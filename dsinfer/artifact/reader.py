@@ -13,7 +13,7 @@ from dsinfer.artifact.manifest import Manifest, config_from_dict
 from dsinfer.artifact.verify import TrustPolicy, verify_artifact
 from dsinfer.artifact.weights_io import mmap_weights
 from dsinfer.config import parse_dtype
-from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.quant import prepare_quantized
 from dsinfer.models.loader import LoadedModel, build_model
 
@@ -36,7 +36,7 @@ def load_artifact(root: str | Path, policy: TrustPolicy, device: str = "cpu") ->
     net = build_model(cfg, dtype, device)
     prepare_quantized(net, quant["scheme"], quant.get("group_size", 0), quant["layer_formats"])
     tensors = _read_tensors(root, manifest, device)
-    if get_tp().world > 1:
+    if parallel_state().world > 1:
         missing, unexpected = assign_rank_parts(net, tensors)
     else:
         missing, unexpected = net.load_state_dict(tensors, strict=False, assign=True)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsinfer.distributed.parallel_state import get_tp, stage_group
+from dsinfer.distributed.parallel_state import parallel_state, stage_group
 
 
 def _sum(x: torch.Tensor) -> torch.Tensor:
@@ -22,17 +22,17 @@ def _sum(x: torch.Tensor) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the TP group (row-parallel outputs, vocabulary-parallel embeddings)."""
-    return x if get_tp().tp_size == 1 else _sum(x)
+    return x if parallel_state().tp_size == 1 else _sum(x)
 
 
 def all_reduce_stage(x: torch.Tensor) -> torch.Tensor:
     """Sum the partial MoE outputs of the stage's ranks (experts placed or sliced over it)."""
-    return x if get_tp().width == 1 else _sum(x)
+    return x if parallel_state().width == 1 else _sum(x)
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """[N, V/tp] on each TP rank → [N, V], rank order along the last dimension."""
-    n = get_tp().tp_size
+    n = parallel_state().tp_size
     if n == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(n)]
@@ -50,7 +50,7 @@ def broadcast_object(obj: Any = None) -> Any:
 def share_with_stage(obj: Any = None) -> Any:
     """The first stage's local rank 0 object on every rank of that stage (the driver's sampled
     tokens, for the split MTP layer); the object itself when the stage is one rank."""
-    state = get_tp()
+    state = parallel_state()
     if state.width == 1:
         return obj
     box = [obj]

@@ -111,7 +111,8 @@ def free_local_port() -> int:
         return s.getsockname()[1]
 
 
-def get_tp() -> ParallelState:
+def parallel_state() -> ParallelState:
+    """This process's place in the TP × PP × EP grid (set once by init_parallel)."""
     return _state
 
 

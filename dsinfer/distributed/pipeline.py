@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.parallel_state import parallel_state
 
 
 def _send(x: torch.Tensor, dst: int) -> None:
@@ -35,7 +35,7 @@ def pipeline_forward(
     model: Any, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: Any
 ) -> torch.Tensor:
     """This stage's part of the forward pass; on stage 0, the final hidden states [T, H]."""
-    state = get_tp()
+    state = parallel_state()
     stage, stages = state.pp_rank, state.pp_size
     inner = model.model
     dtype = inner.norm.weight.dtype  # the embedding lives on stage 0 only

@@ -13,19 +13,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.distributed.comm import all_gather_last, all_reduce
-from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import Linear
 
 
 def vocab_splits(vocab_size: int) -> bool:
-    tp = get_tp().tp_size
+    tp = parallel_state().tp_size
     return tp > 1 and vocab_size % tp == 0
 
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        tp = get_tp()
+        tp = parallel_state()
         self.split = vocab_splits(vocab_size)
         rows = vocab_size // tp.tp_size if self.split else vocab_size
         self.start = tp.tp_rank * rows if self.split else 0
@@ -34,7 +34,7 @@ class VocabEmbedding(nn.Module):
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: None = None) -> None:
         rows = param.shape[0]
-        if loaded.shape[0] != rows * (get_tp().tp_size if self.split else 1) or (
+        if loaded.shape[0] != rows * (parallel_state().tp_size if self.split else 1) or (
             loaded.shape[1:] != param.shape[1:]
         ):
             raise ValueError(

@@ -1,6 +1,6 @@
 """Linear layers with a quantisation seam and shard-aware weight loading.
 
-A `LinearMethod` owns how weights are stored and multiplied (plain, or later int8/int4); the
+A `LinearMethod` owns how weights are stored and multiplied (plain, int8, int4); the
 layer only knows its shape. Fused layers (qkv, gate|up) accept checkpoint shards by name, so
 models carry no loading code: the loader calls `param.weight_loader(param, tensor, shard)`.
 """
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.distributed.comm import all_reduce
-from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.kernels import Kernels
 
 
@@ -87,7 +87,7 @@ class Linear(nn.Module):
         # weight must stay a plain float matrix.
         self.quantizable = quantizable
         sizes = [out_features] if isinstance(out_features, int) else list(out_features)
-        tp = get_tp()
+        tp = parallel_state()
         self.parallel = parallel if tp.tp_size > 1 else None
         self.tp_rank, self.tp_size = tp.tp_rank, tp.tp_size
         split = {"column": (tp.tp_size, 1), "row": (1, tp.tp_size)}.get(self.parallel, (1, 1))

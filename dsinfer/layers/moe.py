@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.distributed.comm import all_reduce_stage
-from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.activation import silu_and_mul
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.quant import int8_mm, quantize_int8
@@ -78,7 +78,7 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
-        state = get_tp()
+        state = parallel_state()
         e, h = cfg.num_experts, cfg.hidden_size
         slices = state.expert_slices
         if cfg.intermediate_size % slices:
@@ -237,7 +237,7 @@ class DeepseekMoE(nn.Module):
         logits = F.linear(x.float(), self.gate.weight)  # [T, E] fp32
         weights, ids = route(logits, self.cfg, self.gate.e_score_correction_bias)
         out = self.experts(x, weights, ids)  # partial: this rank's experts (or slices of them)
-        state = get_tp()
+        state = parallel_state()
         # Shared experts: TP-sliced on every rank, or (EP without TP) whole on local rank 0.
         if self.shared_experts is not None and (state.tp_size > 1 or state.local_rank == 0):
             out = out + self.shared_experts(x)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.attention import AttentionMetadata, make_attention
 from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.linear import Linear, fused_target
@@ -53,7 +53,7 @@ class MLA(nn.Module):
         super().__init__()
         m = cfg.extra
         h, hidden = cfg.num_heads, cfg.hidden_size
-        tp = get_tp().tp_size
+        tp = parallel_state().tp_size
         if h % tp:
             raise ValueError(f"{h} attention heads do not split over {tp} tensor-parallel ranks")
         self.h, self.nope, self.rope_dim = h // tp, m["qk_nope_head_dim"], m["qk_rope_head_dim"]
@@ -154,7 +154,9 @@ class DeepseekModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.extra["qk_rope_head_dim"], cfg.max_position_embeddings, cfg.rope
         )
-        owned = get_tp().stage_layers(cfg.num_layers)  # as LlamaModel: other stages' are empty
+        owned = parallel_state().stage_layers(
+            cfg.num_layers
+        )  # as LlamaModel: other stages' are empty
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(cfg, i) if i in owned else nn.Identity()
             for i in range(cfg.num_layers)
@@ -176,7 +178,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self._mtp_prefix = f"model.layers.{cfg.num_layers}."
         # The multi-token-prediction layer, when the checkpoint carries it and it is enabled: on
         # the first pipeline stage, beside the embedding and the head it shares.
-        wanted = cfg.num_mtp_layers and get_tp().is_first_stage
+        wanted = cfg.num_mtp_layers and parallel_state().is_first_stage
         self.mtp = build_mtp_layer(cfg, DeepseekDecoderLayer) if wanted else None
 
     @classmethod
@@ -218,7 +220,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if m is None:
             return None
         prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
-        if expert not in get_tp().expert_range(self.config.extra["n_routed_experts"]):
+        if expert not in parallel_state().expert_range(self.config.extra["n_routed_experts"]):
             return "", None  # another expert-parallel rank's expert
         return f"{prefix}.{'w2' if kind == 'down' else 'w13'}", (kind, expert)
 

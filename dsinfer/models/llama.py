@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.distributed.pipeline import pipeline_forward
 from dsinfer.layers.activation import get_gated_activation
 from dsinfer.layers.attention import AttentionMetadata, make_attention
@@ -28,7 +28,7 @@ Rope = StepRope
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        tp = get_tp().tp_size
+        tp = parallel_state().tp_size
         if cfg.num_heads % tp or cfg.num_kv_heads % tp:
             raise ValueError(
                 f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads do not split over "
@@ -102,12 +102,14 @@ class LlamaDecoderLayer(nn.Module):
 
 def stage_embedding(cfg: ModelConfig) -> VocabEmbedding | None:
     """The token embedding, on the first pipeline stage only (the others receive states)."""
-    return VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if get_tp().is_first_stage else None
+    return (
+        VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if parallel_state().is_first_stage else None
+    )
 
 
 def stage_lm_head(cfg: ModelConfig, embedding: VocabEmbedding | None) -> LMHead | None:
     """The LM head, on the first stage only: it holds the sampler (and the tied embedding)."""
-    if not get_tp().is_first_stage:
+    if not parallel_state().is_first_stage:
         return None
     return LMHead(cfg.vocab_size, cfg.hidden_size, embedding if cfg.tie_word_embeddings else None)
 
@@ -115,7 +117,7 @@ def stage_lm_head(cfg: ModelConfig, embedding: VocabEmbedding | None) -> LMHead 
 def skip_other_stage(name: str, num_layers: int) -> bool:
     """A checkpoint tensor another pipeline stage holds: its decoder layers, and the
     embedding and LM head off the first stage."""
-    state = get_tp()
+    state = parallel_state()
     if name.startswith("model.layers."):
         index = int(name.split(".")[2])
         return index < num_layers and index not in state.stage_layers(num_layers)
@@ -129,7 +131,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         # A pipeline stage builds only its own layers; the others are empty placeholders that
         # keep checkpoint indices (model.layers.{i}) aligned.
-        owned = get_tp().stage_layers(cfg.num_layers)
+        owned = parallel_state().stage_layers(cfg.num_layers)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg) if i in owned else nn.Identity() for i in range(cfg.num_layers)
         )
@@ -148,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if get_tp().ep_size > 1:
+        if parallel_state().ep_size > 1:
             raise ValueError("expert parallel needs a mixture-of-experts model (DeepSeek-V2/V3)")
         self.config = cfg
         self.model = LlamaModel(cfg)
@@ -166,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: [T] → final hidden states [T, hidden]."""
-        if get_tp().pp_size > 1:
+        if parallel_state().pp_size > 1:
             return pipeline_forward(self, input_ids, positions, kv_caches, meta)
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary.cos_sin(positions, x.dtype)

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dsinfer.config import ModelConfig, parse_dtype
-from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import default_weight_loader, fused_target
 from dsinfer.layers.quant import plan_formats, prepare_quantized, quantize_model
 from dsinfer.models.gguf_file import (
@@ -114,7 +114,7 @@ def int4_params(model: nn.Module) -> set[str]:
 
 def unsplit() -> bool:
     """One process holds the whole model (the direct int4 GGUF load packs whole layers)."""
-    state = get_tp()
+    state = parallel_state()
     return state.tp_size == 1 and state.pp_size == 1 and state.ep_size == 1
 
 

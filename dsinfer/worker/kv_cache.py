@@ -1,4 +1,5 @@
-"""The preallocated KV pool (MHA layout): per layer, K and V of [num_blocks, KV, block_size, D]."""
+"""The preallocated KV pool: per layer, K and V blocks [num_blocks, KV, block_size, D] (MHA),
+or one latent block [num_blocks, block_size, kv_lora_rank + rope_dim] (MLA)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import torch
 
 from dsinfer.config import CacheConfig, ModelConfig
-from dsinfer.distributed.parallel_state import get_tp
+from dsinfer.distributed.parallel_state import parallel_state
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def allocate_kv_cache(
     """Allocate (and touch, so a too-large pool fails now, not mid-request) the whole pool.
 
     Under tensor parallel each rank caches its own KV heads only (the budget is per rank)."""
-    state = get_tp()
+    state = parallel_state()
     tp = state.tp_size
     full = model
     if tp > 1 and "kv_lora_rank" not in model.extra:
