@@ -31,5 +31,8 @@ def configure(verbose: bool = False, fmt: str = "text") -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    # As logging.basicConfig: a host that already logs (pytest's capture, an application
+    # embedding the CLI) keeps its handlers; ours is added to a bare root only.
+    if not root.handlers:
+        root.addHandler(handler)

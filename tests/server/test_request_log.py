@@ -57,3 +57,21 @@ def test_stats_line_while_busy_and_silence_when_idle(tiny_smol):
     (line,) = stats.lines(1.0)
     assert line.startswith("tiny: prompt ") and "generation 3.0 tok/s" in line, line
     assert stats.lines(1.0) == []  # nothing happened since
+
+
+def test_json_log_format_from_the_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import tiny_llama_dir
+
+    model = tiny_llama_dir(tmp_path, num_layers=1)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsinfer", "--log-format", "json", "generate", "--model",
+         str(model), "--prompt", "w5", "--max-tokens", "2", "--num-kv-blocks", "8"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(line) for line in r.stderr.splitlines() if line.strip()]
+    assert lines and all({"time", "level", "logger", "message"} <= set(x) for x in lines)
+    assert any(x["logger"] == "dsinfer.models.loader" for x in lines)
