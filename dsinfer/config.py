@@ -59,6 +59,48 @@ class RopeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds one compressed latent
+    plus one rope key per token and layer."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None  # None: queries are projected directly (V2-Lite)
+
+    @property
+    def latent_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsConfig:
+    """DeepSeekMoE routing and expert shapes (the model's hyper-parameters; layers/moe.py
+    builds its layer config from them)."""
+
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    routed_scaling_factor: float
+    scoring_func: str
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    score_correction_bias: bool
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and index >= self.first_k_dense_replace
+            and index % self.moe_layer_freq == 0
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Architecture hyper-parameters of a decoder-only transformer, source-format agnostic."""
 
@@ -80,6 +122,27 @@ class ModelConfig:
     checkpoint_dtype: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
+    # DeepSeek's hyper-parameters are stored in `extra` (as artifacts serialise them) and read
+    # through these typed views: one rule for "is this MLA / MoE", no string keys elsewhere.
+    @property
+    def mla(self) -> MLAConfig | None:
+        if "kv_lora_rank" not in self.extra:
+            return None
+        return MLAConfig(**{f.name: self.extra[f.name] for f in dataclasses.fields(MLAConfig)})
+
+    @property
+    def moe(self) -> ExpertsConfig | None:
+        if not self.extra.get("n_routed_experts"):
+            return None
+        return ExpertsConfig(
+            **{f.name: self.extra[f.name] for f in dataclasses.fields(ExpertsConfig)}
+        )
+
+    @property
+    def num_nextn_predict_layers(self) -> int:
+        """MTP layers the checkpoint was trained with (DeepSeek-V3)."""
+        return int(self.extra.get("num_nextn_predict_layers", 0))
+
     @property
     def num_mtp_layers(self) -> int:
         """Multi-token-prediction layers in use (DeepSeek-V3 checkpoints that carry them)."""
@@ -96,9 +159,8 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V that one token occupies across all cached layers."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        if "kv_lora_rank" in self.extra:  # MLA: one latent plus one rope key per token and layer
-            latent = self.extra["kv_lora_rank"] + self.extra["qk_rope_head_dim"]
-            return self.num_cache_layers * latent * elem
+        if self.mla is not None:  # one latent plus one rope key per token and layer
+            return self.num_cache_layers * self.mla.latent_width * elem
         return 2 * self.num_cache_layers * self.num_kv_heads * self.head_dim * elem
 
 

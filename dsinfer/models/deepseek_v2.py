@@ -51,15 +51,16 @@ class MLA(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        m = cfg.extra
+        m = cfg.mla
+        assert m is not None, "an MLA layer needs MLA hyper-parameters"
         h, hidden = cfg.num_heads, cfg.hidden_size
         tp = parallel_state().tp_size
         if h % tp:
             raise ValueError(f"{h} attention heads do not split over {tp} tensor-parallel ranks")
-        self.h, self.nope, self.rope_dim = h // tp, m["qk_nope_head_dim"], m["qk_rope_head_dim"]
-        self.v, self.lora = m["v_head_dim"], m["kv_lora_rank"]
+        self.h, self.nope, self.rope_dim = h // tp, m.qk_nope_head_dim, m.qk_rope_head_dim
+        self.v, self.lora = m.v_head_dim, m.kv_lora_rank
         qk = self.nope + self.rope_dim
-        self.q_lora = m["q_lora_rank"]
+        self.q_lora = m.q_lora_rank
         if self.q_lora:
             self.q_a_proj = Linear(hidden, self.q_lora)
             self.q_a_layernorm = RMSNorm(self.q_lora, cfg.rms_norm_eps)
@@ -112,33 +113,31 @@ class MLA(nn.Module):
 
 
 def moe_config(cfg: ModelConfig) -> MoEConfig:
-    m = cfg.extra
+    m = cfg.moe
+    assert m is not None, "a MoE layer needs routed experts"
     return MoEConfig(
         hidden_size=cfg.hidden_size,
-        intermediate_size=m["moe_intermediate_size"],
-        num_experts=m["n_routed_experts"],
-        top_k=m["num_experts_per_tok"],
-        num_shared_experts=m["n_shared_experts"],
-        scoring=m["scoring_func"],
-        n_group=m["n_group"],
-        topk_group=m["topk_group"],
-        norm_topk_prob=m["norm_topk_prob"],
-        routed_scaling_factor=m["routed_scaling_factor"],
-        score_correction_bias=m["score_correction_bias"],
+        intermediate_size=m.moe_intermediate_size,
+        num_experts=m.n_routed_experts,
+        top_k=m.num_experts_per_tok,
+        num_shared_experts=m.n_shared_experts,
+        scoring=m.scoring_func,
+        n_group=m.n_group,
+        topk_group=m.topk_group,
+        norm_topk_prob=m.norm_topk_prob,
+        routed_scaling_factor=m.routed_scaling_factor,
+        score_correction_bias=m.score_correction_bias,
     )
 
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        m = cfg.extra
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        dense = index < m["first_k_dense_replace"] or index % m["moe_layer_freq"] != 0
-        self.mlp = (
-            LlamaMLP(cfg) if dense or not m["n_routed_experts"] else DeepseekMoE(moe_config(cfg))
-        )
+        routed = cfg.moe is not None and cfg.moe.is_moe_layer(index)
+        self.mlp = DeepseekMoE(moe_config(cfg)) if routed else LlamaMLP(cfg)
 
     def forward(self, x, residual, rope, cache, meta):  # noqa: ANN001, ANN201
         h, residual = self.input_layernorm(x, residual)
@@ -151,8 +150,9 @@ class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = stage_embedding(cfg)
+        assert cfg.mla is not None
         self.rotary = RotaryEmbedding(
-            cfg.extra["qk_rope_head_dim"], cfg.max_position_embeddings, cfg.rope
+            cfg.mla.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope
         )
         owned = parallel_state().stage_layers(
             cfg.num_layers
@@ -186,7 +186,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         """Enable the MTP layer only when the checkpoint has its weights (names None: random
         weights, which have whatever the config describes)."""
         prefix = f"model.layers.{cfg.num_layers}."
-        wanted = cfg.extra.get("num_nextn_predict_layers", 0) > 0
+        wanted = cfg.num_nextn_predict_layers > 0
         has = names is None or any(n.startswith(prefix) for n in names)
         return cfg.with_mtp(1 if wanted and has else 0)
 
@@ -220,7 +220,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if m is None:
             return None
         prefix, expert, kind = m.group(1), int(m.group(2)), m.group(3)
-        if expert not in parallel_state().expert_range(self.config.extra["n_routed_experts"]):
+        moe = self.config.moe
+        if moe is not None and expert not in parallel_state().expert_range(moe.n_routed_experts):
             return "", None  # another expert-parallel rank's expert
         return f"{prefix}.{'w2' if kind == 'down' else 'w13'}", (kind, expert)
 

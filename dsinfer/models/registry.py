@@ -78,7 +78,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         # DeepSeek: transformers writes head_dim = the rope part; the real q/k head is nope + rope.
-        head_dim=(extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"])
+        head_dim=extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"]
         if extra
         else int(cfg.get("head_dim") or hidden // heads),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),

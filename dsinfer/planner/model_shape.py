@@ -64,7 +64,7 @@ def model_shape(cfg: ModelConfig, name: str = "model") -> ModelShape:
             dense += p.numel()
             if pname.endswith("embed_tokens.weight"):
                 embed += p.numel()
-    m = cfg.extra
+    moe = cfg.moe
     return ModelShape(
         name=name,
         num_layers=cfg.num_layers,
@@ -74,12 +74,12 @@ def model_shape(cfg: ModelConfig, name: str = "model") -> ModelShape:
         vocab=cfg.vocab_size,
         dense_params=dense,
         expert_params=expert,
-        num_experts=int(m.get("n_routed_experts", 0)),
-        experts_per_token=int(m.get("num_experts_per_tok", 0)),
+        num_experts=moe.n_routed_experts if moe else 0,
+        experts_per_token=moe.num_experts_per_tok if moe else 0,
         moe_layers=moe_layers,
         embedding_params=embed,
         head_params=head,
         body_params=dense - embed - (0 if tied else head),
         kv_bytes_per_token=cfg.kv_bytes_per_token(torch.bfloat16),
-        latent_kv="kv_lora_rank" in m,
+        latent_kv=cfg.mla is not None,
     )

@@ -36,7 +36,8 @@ def allocate_kv_cache(
     state = parallel_state()
     tp = state.tp_size
     full = model
-    if tp > 1 and "kv_lora_rank" not in model.extra:
+    mla = model.mla
+    if tp > 1 and mla is None:
         model = dataclasses.replace(model, num_kv_heads=model.num_kv_heads // tp)
     owned = state.stage_layers(full.num_layers)
     if state.pp_size > 1:  # a stage caches its own layers; every stage gets the same block count
@@ -44,10 +45,10 @@ def allocate_kv_cache(
         model = dataclasses.replace(model, num_layers=per_stage)
     n = num_blocks_for_budget(model, cache, dtype)
     none = torch.empty(0, dtype=dtype, device=device)  # another stage's layer
-    if "kv_lora_rank" in model.extra:
+    if mla is not None:
         # MLA layout: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one per layer;
         # every TP rank keeps the whole latent (each of its heads reads all of it).
-        width = model.extra["kv_lora_rank"] + model.extra["qk_rope_head_dim"]
+        width = mla.latent_width
 
         def layer_cache() -> tuple[torch.Tensor, ...]:
             return (torch.zeros((n, cache.block_size, width), dtype=dtype, device=device),)
