@@ -66,8 +66,8 @@ def mtp_dir(tmp_path_factory):
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from tests.models.test_deepseek_mtp import V3
-    from tests.models.test_tiny_parity import _tokenizer_files
+    from tests.helpers import MTP_V3 as V3
+    from tests.helpers import write_tiny_tokenizer as _tokenizer_files
 
     path = tmp_path_factory.mktemp("v3-mtp")
     torch.manual_seed(3)

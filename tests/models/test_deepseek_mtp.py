@@ -8,12 +8,11 @@ import torch
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.worker.step_io import ModelRunnerOutput
+from tests.helpers import DEEPSEEK_COMMON as COMMON
+from tests.helpers import MTP_GREEDY as GREEDY
+from tests.helpers import MTP_PROMPTS as PROMPTS
+from tests.helpers import MTP_V3 as V3
 from tests.helpers import assert_pool_clean
-from tests.models.test_deepseek_parity import CASES, COMMON
-
-V3 = {**COMMON, **CASES["v3"][1]}
-PROMPTS = [[1, 5, 9, 33, 200], [1, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [1, 300, 3]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 def _llm(path, **kw) -> LLM:  # noqa: ANN001

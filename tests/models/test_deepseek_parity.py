@@ -7,52 +7,14 @@ import pytest
 import torch
 
 from dsinfer import SamplingParams
+from tests.helpers import DEEPSEEK_CASES as CASES
+from tests.helpers import DEEPSEEK_COMMON as COMMON
 from tests.helpers import (
+    VOCAB,
     assert_batched_greedy_matches,
     assert_logits_match,
     save_and_load,
 )
-from tests.models.test_tiny_parity import VOCAB
-
-YARN = {
-    "type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 64,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.8,
-}
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=24,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    max_position_embeddings=256,
-    rope_theta=10000.0,
-    rope_scaling=YARN,
-    routed_scaling_factor=1.5,
-)
-CASES = {
-    "v2-lite-shape": ("v2", dict(q_lora_rank=None, topk_method="greedy")),
-    "v2-grouped": (
-        "v2",
-        dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2),
-    ),
-    "v3": ("v3", dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True)),
-}
-
 
 PARAMS = [(case, backend) for case in sorted(CASES) for backend in ("reference", "fused")]
 

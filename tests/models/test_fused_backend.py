@@ -15,8 +15,7 @@ import torch
 
 from dsinfer import LLM, SamplingParams
 from tests.conftest import PROMPTS
-from tests.helpers import decode_logits, full_logits, tokens_match_up_to_near_tie
-from tests.models.test_smollm2_parity import PPL_TEXT
+from tests.helpers import PPL_TEXT, decode_logits, full_logits, tokens_match_up_to_near_tie
 
 
 def test_default_engine_runs_the_fused_backend(smol_llm, smol_llm_reference):

