@@ -45,6 +45,18 @@ class ToolParser:
     start = ""  # the text that opens the calls (streaming holds it back until sure)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(the content before the calls, or None; the calls) — or (text, []) when the text
+        holds no well-formed call."""
+        at = text.find(self.start)
+        if at < 0:
+            return text, []
+        calls = self._calls(text, at)
+        if not calls:
+            return text, []
+        return (text[:at].rstrip() or None), calls
+
+    def _calls(self, text: str, at: int) -> list[ToolCall] | None:
+        """The calls written from `at` on; None (or []) when any of them is malformed."""
         raise NotImplementedError
 
 
@@ -58,10 +70,7 @@ class DeepSeekV3Parser(ToolParser):
         re.DOTALL,
     )
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        at = text.find(self.start)
-        if at < 0:
-            return text, []
+    def _calls(self, text: str, at: int) -> list[ToolCall] | None:
         calls = []
         for m in self._call.finditer(text, at):
             name = m.group("name") or m.group("name31")
@@ -69,11 +78,9 @@ class DeepSeekV3Parser(ToolParser):
             try:
                 args = json.loads(raw)
             except json.JSONDecodeError:
-                return text, []
+                return None
             calls.append(ToolCall(name.strip(), _json_args(args)))
-        if not calls:
-            return text, []
-        return (text[:at] or None), calls
+        return calls
 
 
 class HermesParser(ToolParser):
@@ -81,17 +88,14 @@ class HermesParser(ToolParser):
     start = "<tool_call>"
     _call = re.compile(r"<tool_call>\s*(?P<body>.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        at = text.find(self.start)
-        if at < 0:
-            return text, []
+    def _calls(self, text: str, at: int) -> list[ToolCall] | None:
         calls = []
         for m in self._call.finditer(text, at):
             call = _name_and_args(m.group("body"))
             if call is None:
-                return text, []
+                return None
             calls.extend(call)
-        return (text[:at].rstrip() or None), calls
+        return calls
 
 
 class Llama3JsonParser(ToolParser):

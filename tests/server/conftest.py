@@ -73,24 +73,29 @@ def client(base_url):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="package")
-def tiny_smol(tmp_path_factory) -> Iterator[ServedModel]:
-    """A tiny random Llama behind SmolLM2's real tokenizer and chat template: every request
-    runs end to end (tokenizer, template, scheduler, sampler) in milliseconds."""
+def serve_tiny_smol(path, max_positions: int, num_blocks: int, block_size: int) -> ServedModel:  # noqa: ANN001
+    """A tiny random Llama behind SmolLM2's real tokenizer and chat template, on its engine
+    thread (the caller shuts `.engine` down)."""
     from tests.helpers import tiny_llama_dir
 
-    src = tiny_llama_dir(
-        tmp_path_factory.mktemp("tiny-smol"), num_layers=1, vocab_size=49152, max_positions=256
-    )
+    src = tiny_llama_dir(path, num_layers=1, vocab_size=49152, max_positions=max_positions)
     config = EngineConfig(
         model=str(src),
         tokenizer="smollm2",
-        cache=CacheConfig(num_blocks=128, block_size=8),
+        cache=CacheConfig(num_blocks=num_blocks, block_size=block_size),
         scheduler=SchedulerConfig(max_num_seqs=16),
     )
     runner = AsyncEngine(lambda: LLMEngine(config))
-    yield ServedModel("tiny", runner, runner.engine.tokenizer, runner.engine.max_model_len)
-    runner.shutdown()
+    return ServedModel("tiny", runner, runner.engine.tokenizer, runner.engine.max_model_len)
+
+
+@pytest.fixture(scope="package")
+def tiny_smol(tmp_path_factory) -> Iterator[ServedModel]:
+    """Every request runs end to end (tokenizer, template, scheduler, sampler) in
+    milliseconds."""
+    served = serve_tiny_smol(tmp_path_factory.mktemp("tiny-smol"), 256, 128, 8)
+    yield served
+    served.engine.shutdown()
 
 
 def wait_idle(served: ServedModel, timeout: float = 10.0) -> None:

@@ -25,7 +25,7 @@ from dsinfer.server.tool_parsers import (
 from dsinfer.server.tools import ToolOutput
 from dsinfer.tokenizer import load_tokenizer
 from tests.helpers import tokenizer_data_dir as _data_dir
-from tests.server.conftest import running_server, wait_idle
+from tests.server.conftest import running_server, serve_tiny_smol, wait_idle
 
 ORDER = {
     "type": "function",
@@ -230,23 +230,9 @@ def test_template_without_tools_gets_the_fallback_prompt(tiny_smol):
 @pytest.fixture(scope="module")
 def tiny_long(tmp_path_factory) -> Iterator[ServedModel]:
     """tiny_smol with room for the tool descriptions (1024 positions)."""
-    from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig
-    from dsinfer.engine.llm_engine import LLMEngine
-    from dsinfer.server.async_engine import AsyncEngine
-    from tests.helpers import tiny_llama_dir
-
-    src = tiny_llama_dir(
-        tmp_path_factory.mktemp("tiny-tools"), num_layers=1, vocab_size=49152, max_positions=1024
-    )
-    config = EngineConfig(
-        model=str(src),
-        tokenizer="smollm2",
-        cache=CacheConfig(num_blocks=512, block_size=16),
-        scheduler=SchedulerConfig(max_num_seqs=16),
-    )
-    runner = AsyncEngine(lambda: LLMEngine(config))
-    yield ServedModel("tiny", runner, runner.engine.tokenizer, runner.engine.max_model_len)
-    runner.shutdown()
+    served = serve_tiny_smol(tmp_path_factory.mktemp("tiny-tools"), 1024, 512, 16)
+    yield served
+    served.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
