@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from dsinfer.bench.stats import summarize
+from dsinfer.progress import progress
 
 WORDS = (
     "time year people way day man thing woman life child world school state family "
@@ -155,15 +156,22 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Result], float]:
         timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=args.concurrency + 4)
     ) as c:
 
-        async def worker() -> None:
-            nonlocal issued
-            while more():
-                issued += 1
-                prompt = " ".join(rng.choice(WORDS) for _ in range(args.input_len))
-                results.append(await one_request(c, args, prompt))
+        # Progress in requests (or seconds with --duration): a bar on a terminal, log lines
+        # otherwise.
+        total = args.duration or args.num_requests
+        with progress(f"load at concurrency {args.concurrency}", total) as advance:
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            async def worker() -> None:
+                nonlocal issued
+                while more():
+                    issued += 1
+                    prompt = " ".join(rng.choice(WORDS) for _ in range(args.input_len))
+                    result = await one_request(c, args, prompt)
+                    results.append(result)
+                    advance(result.e2e / args.concurrency if args.duration else 1)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         return results, time.perf_counter() - t0
 
 
