@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -86,6 +87,17 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _exit_after_shutdown() -> None:
+    """Exit 0 once uvicorn has drained the requests and the engines have stopped (its shutdown
+    handlers ran before it re-raised SIGTERM). The process leaves without interpreter
+    teardown: native threads of torch.distributed (gloo) and the engine's daemon thread can
+    abort a finalising interpreter (seen once as SIGABRT in a two-node run)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def serve(args: argparse.Namespace) -> int:
     sock = bind_port(args.host, args.port)
     print(f"dsinfer: {args.host}:{args.port} is ours; loading the model(s)…", flush=True)
@@ -120,7 +132,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal to the handler
     # that was installed before it: make that one a clean exit.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: _exit_after_shutdown())
     config = uvicorn.Config(
         app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout
     )

@@ -53,7 +53,7 @@ def test_two_node_server_answers_the_openai_client_and_stops_cleanly():
         )
         assert r.choices[0].message.content.strip() == ANSWER
         node0.send_signal(signal.SIGTERM)
-        assert node0.wait(60) == 0
+        assert node0.wait(60) == 0, node0.stdout.read()[-4000:]
         assert node1.wait(60) == 0, node1.stdout.read()  # its ranks left when node 0 stopped
     finally:
         for p in (node0, node1):
