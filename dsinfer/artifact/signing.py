@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dsinfer.artifact.errors import ArtifactError
 from dsinfer.artifact.manifest import SIGNATURE
+from dsinfer.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,10 @@ def sign_dir(root: Path, key: Path) -> None:
     tmp = root / f".{SIGNATURE}.tmp"
     try:
         cfg = signing.Config().use_elliptic_key_signer(private_key=key)
-        cfg.set_hashing_config(_hashing_config()).sign(root, tmp)
+        # model-signing hashes every file itself: one step, shown while it runs.
+        with progress(f"signing {root.name}", 1) as done:
+            cfg.set_hashing_config(_hashing_config()).sign(root, tmp)
+            done(1)
     except ArtifactError:
         raise
     except Exception as e:  # the library raises several types for a bad key file
@@ -77,14 +81,16 @@ def verify_signature(root: Path, trusted_keys: Sequence[Path]) -> Path:
             "sign it with `dsinfer sign`, or pass --allow-unsigned to load it anyway"
         )
     failures = []
-    for key in trusted_keys:
-        if not key.is_file():
-            raise ArtifactError(f"trusted key {key} not found")
-        try:
-            verifying.Config().use_elliptic_key_verifier(public_key=key).verify(root, sig)
-            return key
-        except Exception as e:  # invalid signature, wrong key, or a file differs
-            failures.append(f"{key.name}: {type(e).__name__}: {e}".rstrip(": "))
+    with progress(f"verifying the signature of {root.name}", len(trusted_keys)) as tried:
+        for key in trusted_keys:
+            if not key.is_file():
+                raise ArtifactError(f"trusted key {key} not found")
+            try:
+                verifying.Config().use_elliptic_key_verifier(public_key=key).verify(root, sig)
+                return key
+            except Exception as e:  # invalid signature, wrong key, or a file differs
+                failures.append(f"{key.name}: {type(e).__name__}: {e}".rstrip(": "))
+            tried(1)
     raise ArtifactError(
         f"{sig}: signature does not verify with any trusted key — " + "; ".join(failures)
     )

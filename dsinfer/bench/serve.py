@@ -155,7 +155,6 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Result], float]:
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=args.concurrency + 4)
     ) as c:
-
         # Progress in requests (or seconds with --duration): a bar on a terminal, log lines
         # otherwise.
         total = args.duration or args.num_requests
