@@ -130,18 +130,24 @@ class Linear(nn.Module):
         """This rank's part of a whole stored tensor of this layer (a compiled artifact holds
         fused, possibly quantised tensors: weight/qweight [out, in(/2)], bias/scales [out],
         scales_zeros [in/G, out, 2])."""
+        return self._tp_cut(name, full, list(self.shards.values()) or [(0, self.out_features)])
+
+    def _tp_cut(self, name: str, full: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The one tensor-parallel rule, for checkpoint shards and stored fused tensors alike.
+
+        Column parallel: each span (offset, rows per rank) of the output dimension is cut
+        separately — [q | k | v] → [q_r | k_r | v_r]. Row parallel: the input dimension is cut;
+        per-output-row tensors (bias, scales) stay whole."""
         if self.parallel is None:
             return full
         out_dim = 1 if name == "scales_zeros" else 0
         if self.parallel == "column":
-            # Each fused shard's rows are cut separately: [q | k | v] → [q_r | k_r | v_r].
-            spans = list(self.shards.values()) or [(0, self.out_features)]
             parts = [
                 full.narrow(out_dim, off * self.tp_size + self.tp_rank * rows, rows)
                 for off, rows in spans
             ]
-            return torch.cat(parts, dim=out_dim)
-        if name in ("bias", "scales"):  # per output row: whole on every rank
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=out_dim)
+        if name in ("bias", "scales") or full.dim() < 2:  # per output row: whole on every rank
             return full
         in_dim = 0 if name == "scales_zeros" else 1
         if full.shape[in_dim] % self.tp_size:
@@ -153,17 +159,11 @@ class Linear(nn.Module):
         width = full.shape[in_dim] // self.tp_size  # columns (int4: bytes or groups) per rank
         return full.narrow(in_dim, self.tp_rank * width, width)
 
-    def _local(self, param: torch.Tensor, loaded: torch.Tensor, rows: int) -> torch.Tensor:
-        """This rank's slice of a checkpoint tensor (column: rows; row: weight columns)."""
-        if self.parallel == "column":
-            return loaded.narrow(0, self.tp_rank * rows, rows)
-        if self.parallel == "row" and loaded.dim() == 2:
-            return loaded.narrow(1, self.tp_rank * self.in_features, self.in_features)
-        return loaded
-
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """A checkpoint tensor (one shard of a fused weight, or the whole) into `param`."""
         rows = self.shards[shard][1] if shard is not None else param.shape[0]
-        loaded = self._local(param, loaded, rows)
+        name = "bias" if param is self.bias else "weight"
+        loaded = self._tp_cut(name, loaded, [(0, rows)])
         if shard is None:
             default_weight_loader(param, loaded)
             return
