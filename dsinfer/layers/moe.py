@@ -105,9 +105,10 @@ class RoutedExperts(nn.Module):
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: tuple[str, int]) -> None:
         kind, e = shard
         e -= self.first
-        i, lo = self.intermediate, self.slice_start
+        i = self.intermediate
         # gate/up: [I, H] → rows [lo, lo + i); down: [H, I] → columns [lo, lo + i).
-        loaded = loaded.narrow(1 if kind == "down" else 0, lo, i) if loaded.dim() == 2 else loaded
+        if loaded.dim() == 2:
+            loaded = self._tp_slice(loaded, 1 if kind == "down" else 0, halves=False)
         dst = {"gate": param.data[e, :i], "up": param.data[e, i:], "down": param.data[e]}[kind]
         if tuple(dst.shape) != tuple(loaded.shape):
             raise ValueError(
@@ -120,13 +121,21 @@ class RoutedExperts(nn.Module):
         """This rank's part of a whole stored stack: its experts, and with TP slicing its rows
         of gate and of up (w13/q13/s13) or its columns of down (w2/q2)."""
         full = full.narrow(0, self.first, len(self.owned))
-        i, lo = self.intermediate, self.slice_start
-        whole = full.shape[1] // 2 if name[1:] == "13" else None
-        if i == (whole if whole is not None else full.shape[-1]) or name == "s2":
+        fused = name[1:] == "13"
+        whole = full.shape[1] // 2 if fused else full.shape[-1]
+        if self.intermediate == whole or name == "s2":
             return full  # not sliced (s2 is per output row of down: whole)
-        if whole is not None:  # [E, 2I(, H)] → [E, gate rows | up rows]
-            return torch.cat([full.narrow(1, lo, i), full.narrow(1, whole + lo, i)], dim=1)
-        return full.narrow(2, lo, i)  # w2/q2 [E, H, I]
+        # [E, 2I(, H)] → [E, gate rows | up rows]; w2/q2 [E, H, I] → columns.
+        return self._tp_slice(full, 1 if fused else 2, halves=fused)
+
+    def _tp_slice(self, t: torch.Tensor, dim: int, halves: bool) -> torch.Tensor:
+        """The one tensor-parallel rule of the experts: this rank's intermediate slice
+        [lo, lo + i) along `dim` — of each half (gate | up) when `halves`."""
+        i, lo = self.intermediate, self.slice_start
+        if not halves:
+            return t.narrow(dim, lo, i)
+        whole = t.shape[dim] // 2
+        return torch.cat([t.narrow(dim, lo, i), t.narrow(dim, whole + lo, i)], dim=dim)
 
     # -- int8 (artifacts, random-weight benchmarks): q13/s13, q2/s2 replace w13, w2 -------------
     def use_int8_layout(self) -> None:
