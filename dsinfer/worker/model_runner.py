@@ -36,7 +36,9 @@ class ModelRunner:
         driver: bool = True,
         backend: str = "reference",
     ) -> None:
-        self.driver = driver  # tensor-parallel workers run the forward pass only
+        # The driver (rank 0) samples and keeps results; the other ranks run the same calls in
+        # the same order (their parts of the collectives) and keep nothing.
+        self.driver = driver
         self.model = loaded.model
         self.backend = apply_backend(self.model, backend, device).name
         self.config = loaded.config
@@ -119,36 +121,57 @@ class ModelRunner:
         states = [self.states[inp.seqs[i].req_id] for i in sample_idx] if self.driver else []
         masks = self._bitmasks.start([st.grammar for st in states])  # fills during the forward
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, hidden]
-        if not self.driver:
-            self._mirror(inp, hidden)
-            return result
-
+        if getattr(self.model, "lm_head", None) is None:
+            return result  # a later pipeline stage: its part ended with the send
+        # From here every rank of the stage runs the same calls in the same order (a split
+        # vocabulary makes each logits call a collective, the MTP layer is split like the
+        # model); only the driver samples and keeps results.
         _, rows = self._sample_rows(inp)
         if sample_idx:
-            logits = self.model.compute_logits(hidden[rows])  # [B, V] fp32
-            if masks is not None:
-                apply_bitmask(logits, masks.result())  # in place, before logprobs and sampling
-            tokens, lps = self.sampler(logits, states)
-            for i, tok, lp, st in zip(sample_idx, tokens, lps, states, strict=True):
-                rid = inp.seqs[i].req_id
-                result.sampled[rid] = tok
-                st.output_token_ids.append(tok)
-                if st.grammar is not None:
-                    st.grammar.accept(tok)
-                if lp is not None:
-                    result.logprobs[rid] = lp
-            grammars = {
-                inp.seqs[i].req_id: st.grammar for i, st in zip(sample_idx, states, strict=True)
-            }
-            verify_greedy(self.model, hidden, inp, result, {r: g for r, g in grammars.items() if g})
-            for rid, extra in result.bonus.items():
-                self.states[rid].output_token_ids.extend(extra)
+            logits = self._logits(hidden[rows])  # [B, V] fp32 on the driver
+            if logits is not None:
+                if masks is not None:
+                    apply_bitmask(logits, masks.result())  # before logprobs and sampling
+                self._sample(inp, sample_idx, states, logits, result)
+            spec, check = draft_rows(inp, {inp.seqs[i].req_id for i in sample_idx})
+            check_logits = self._logits(hidden[torch.tensor(check)]) if check else None
+            if check_logits is not None:
+                grammars = {
+                    inp.seqs[i].req_id: st.grammar
+                    for i, st in zip(sample_idx, states, strict=True)
+                    if st.grammar is not None
+                }
+                verify_greedy(check_logits, spec, result, grammars)
+                for rid, extra in result.bonus.items():
+                    self.states[rid].output_token_ids.extend(extra)
         if self.drafter is not None:
-            # The MTP layer is split like the model: the stage's other ranks need the tokens.
-            share_with_stage((result.sampled, result.bonus))
+            # The stage's other ranks need the driver's tokens to feed the split MTP layer.
+            shared = share_with_stage((result.sampled, result.bonus) if self.driver else None)
+            if not self.driver:
+                result.sampled, result.bonus = shared
             self.drafter.propose(inp, hidden, result, self._wants_draft(inp))
         self._prompt_logprobs(inp, hidden, result)
-        return result
+        return result if self.driver else ModelRunnerOutput()
+
+    def _logits(self, hidden_rows: torch.Tensor) -> torch.Tensor | None:
+        """Logits of some rows on the driver; on another rank, its part of the collective when
+        the vocabulary is split (nothing otherwise). Every rank calls this in the same order."""
+        if self.driver:
+            return self.model.compute_logits(hidden_rows)
+        if self.model.lm_head.parallel == "column":
+            self.model.compute_logits(hidden_rows)
+        return None
+
+    def _sample(self, inp, sample_idx, states, logits, result: ModelRunnerOutput) -> None:  # noqa: ANN001
+        tokens, lps = self.sampler(logits, states)
+        for i, tok, lp, st in zip(sample_idx, tokens, lps, states, strict=True):
+            rid = inp.seqs[i].req_id
+            result.sampled[rid] = tok
+            st.output_token_ids.append(tok)
+            if st.grammar is not None:
+                st.grammar.accept(tok)
+            if lp is not None:
+                result.logprobs[rid] = lp
 
     def _wants_draft(self, inp) -> set[str]:  # noqa: ANN001
         return {s.req_id for s in inp.seqs if self.states[s.req_id].params.allows_speculation}
@@ -174,35 +197,14 @@ class ModelRunner:
                 spans.append((i, inp.last_rows[i] - len(s.token_ids) + 1, n))
         return spans
 
-    def _mirror(self, inp, hidden: torch.Tensor) -> None:  # noqa: ANN001
-        """The other ranks of the first stage take part in what the driver does after the
-        forward pass, in the same order: a split vocabulary makes every logits call a
-        collective, and the MTP layer is split like the model. Results are dropped."""
-        head = getattr(self.model, "lm_head", None)
-        if head is None:
-            return  # a later pipeline stage: its part ended with the send
-        split_head = head.parallel == "column"
-        sample_idx, rows = self._sample_rows(inp)
-        if split_head and rows is not None:
-            self.model.compute_logits(hidden[rows])
-        sampled = {inp.seqs[i].req_id for i in sample_idx}
-        _, check = draft_rows(inp, sampled)
-        if split_head and check:
-            self.model.compute_logits(hidden[torch.tensor(check)])
-        if self.drafter is not None:
-            result = ModelRunnerOutput()
-            result.sampled, result.bonus = share_with_stage(None)
-            self.drafter.propose(inp, hidden, result, self._wants_draft(inp))
-        if split_head:
-            for _, first, n in self._prompt_rows(inp):
-                self.model.compute_logits(hidden[first : first + n])
-
     def _prompt_logprobs(self, inp, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:  # noqa: ANN001
         """Logprob of each prompt token given its prefix, for rows inside this chunk."""
         for i, first_row, n in self._prompt_rows(inp):
             s = inp.seqs[i]
             st = self.states[s.req_id]
-            logits = self.model.compute_logits(hidden[first_row : first_row + n])
+            logits = self._logits(hidden[first_row : first_row + n])
+            if logits is None:
+                continue  # another rank: its part of the collective is done
             targets = st.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + n]
             entries = prompt_logprob_entries(logits, targets, st.params.prompt_logprobs or 0)
             result.prompt_logprobs[s.req_id] = [

@@ -34,20 +34,18 @@ def draft_rows(inp: ModelInput, sampled: set[str] | dict) -> tuple[list, list[in
 
 
 def verify_greedy(
-    model: torch.nn.Module,
-    hidden: torch.Tensor,
-    inp: ModelInput,
+    logits: torch.Tensor,
+    spec: list,
     result: ModelRunnerOutput,
     grammars: dict[str, GrammarState] | None = None,
 ) -> None:
-    """Extend result.sampled with result.bonus: tokens that accepted drafts make certain. A
+    """Extend result.sampled with result.bonus: tokens that accepted drafts make certain.
+    `spec` and the rows of `logits` [rows, V] are draft_rows' (one row per draft). A
     constrained request's rows are checked against its grammar: each verified token is the
     argmax over the tokens the grammar allows there (and is accepted into it), so a draft the
     grammar forbids is never kept."""
-    spec, rows = draft_rows(inp, result.sampled)
     if not spec:
         return
-    logits = model.compute_logits(hidden[torch.tensor(rows)])  # [rows, V]
     argmax = logits.argmax(dim=-1).tolist()
     grammars = grammars or {}
     k = 0

@@ -131,7 +131,7 @@ def test_drafts_are_verified_against_the_grammar(tmp_path):
     from dsinfer.structured import GrammarCompiler
     from dsinfer.tokenizer import load_tokenizer
     from dsinfer.worker.grammar_mask import GrammarState
-    from dsinfer.worker.spec_decode import verify_greedy
+    from dsinfer.worker.spec_decode import draft_rows, verify_greedy
     from dsinfer.worker.step_io import ModelRunnerOutput, ScheduledSeq
     from tests.helpers import write_tiny_tokenizer as _tokenizer_files
 
@@ -141,14 +141,14 @@ def test_drafts_are_verified_against_the_grammar(tmp_path):
     # rows: [last token, draft 1, draft 2]; the drafts are checked at rows 1 and 2.
     seq = ScheduledSeq("r", [9, 3, 5], 10, [], True, num_draft=2)
     inp = SimpleNamespace(seqs=[seq], last_rows=[2])
+    spec, rows = draft_rows(inp, {"r"})
+    assert rows == [1, 2]  # the rows after each draft
     logits = torch.zeros(2, vocab)
     logits[0, 4], logits[0, 5] = 9.0, 8.0  # after w3: w4 (forbidden) beats w5
     logits[1, 7] = 9.0  # after w5: w7
-    model = SimpleNamespace(compute_logits=lambda rows: logits[: rows.shape[0]])
-    hidden = torch.zeros(3, 1)
 
     free = ModelRunnerOutput(sampled={"r": 3})
-    verify_greedy(model, hidden, inp, free)
+    verify_greedy(logits, spec, free)
     assert free.bonus == {"r": [4]}  # w4 ≠ draft w5: the run ends
 
     grammar = GrammarState(
@@ -156,7 +156,7 @@ def test_drafts_are_verified_against_the_grammar(tmp_path):
     )
     grammar.accept(3)  # the sampled token, as the runner accepts it before verifying
     constrained = ModelRunnerOutput(sampled={"r": 3})
-    verify_greedy(model, hidden, inp, constrained, {"r": grammar})
+    verify_greedy(logits, spec, constrained, {"r": grammar})
     assert constrained.bonus == {"r": [5, 7]}  # w5 (allowed) = draft 2, then w7
     assert grammar.num_accepted == 3
 
