@@ -119,10 +119,11 @@ class EngineArgs:
     )  # fmt: skip
     mtp: bool = field(
         default=True,
-        metadata=_opt("do not use a DeepSeek-V3 checkpoint's MTP layer for speculative decoding",
-                      negate="--no-mtp"),
+        metadata=_opt("use a DeepSeek-V3 checkpoint's MTP layer for speculative decoding "
+                      "(--no-mtp: off)", negate="--no-mtp"),
     )  # fmt: skip
-    # The grid: on the command line through --parallel (and vLLM's -tp/-pp), see cli.py.
+    # The grid: on the command line through --parallel (and vLLM's -tp/-pp), see
+    # add_engine_flags below.
     tensor_parallel: int = field(default=1, metadata=_opt("tensor-parallel ranks", cli=False))
     pipeline_parallel: int = field(default=1, metadata=_opt("pipeline stages", cli=False))
     expert_parallel: int = field(default=1, metadata=_opt("expert-parallel ranks", cli=False))

@@ -15,9 +15,10 @@ logger = logging.getLogger("dsinfer.progress")
 
 
 @contextlib.contextmanager
-def progress(description: str, total: float) -> Iterator[Callable[[float], None]]:
-    """Yields advance(amount); `total` is what the amounts add up to (tensors, bytes, steps)."""
-    if total <= 0:
+def progress(description: str, total: float, log: bool = True) -> Iterator[Callable[[float], None]]:
+    """Yields advance(amount); `total` is what the amounts add up to (tensors, bytes, steps).
+    `log=False`: nothing at all off a terminal (a bar the caller asked for, not a log)."""
+    if total <= 0 or (not log and not sys.stderr.isatty()):
         yield lambda _amount=1: None
         return
     if sys.stderr.isatty():

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine_args import DEFAULT_MODEL, EngineArgs, engine_arg_names
+from dsinfer.progress import progress
 from dsinfer.sampling import SamplingParams, split_samples
 
 PromptType = str | dict[str, Any]
@@ -62,12 +61,13 @@ class LLM:
         for prompt, p in zip(prompts, plist, strict=True):
             groups.append([self._add(prompt, sub) for sub in split_samples(p)])
         finals: dict[str, RequestOutput] = {}
-        with _progress(use_tqdm, sum(len(g) for g in groups)) as advance:
+        total = sum(len(g) for g in groups) if use_tqdm else 0
+        with progress("generating", total, log=False) as advance:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
                         finals[out.request_id] = out
-                        advance()
+                        advance(1)
         results = []
         for ids in groups:
             first = finals[ids[0]]
@@ -111,19 +111,6 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c)} for c in convs]
         return self.generate(prompts, params, sampling_params=sampling_params, use_tqdm=use_tqdm)
-
-
-@contextlib.contextmanager
-def _progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
-    """A rich progress bar of finished requests when asked for and on a terminal."""
-    if not show or not sys.stderr.isatty():
-        yield lambda: None
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task("generating", total=total)
-        yield lambda: bar.advance(task)
 
 
 def _document_options() -> None:

@@ -9,8 +9,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from dsinfer.artifact.source import load_model_source
 from dsinfer.artifact.verify import TrustPolicy
 from dsinfer.config import EngineConfig
@@ -22,7 +20,13 @@ from dsinfer.engine.kv_cache_manager import KVCacheManager
 from dsinfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from dsinfer.engine.request import Request, RequestStatus
 from dsinfer.engine.scheduler import Scheduler, StepUpdate
-from dsinfer.engine.utilization import Utilization, UtilizationMeter, device_peaks, step_model
+from dsinfer.engine.utilization import (
+    Utilization,
+    UtilizationMeter,
+    peak_bandwidth,
+    peak_flops,
+    step_model,
+)
 from dsinfer.models.loader import EMBEDDED_MODELS, LoadedModel, resolve_model_path
 from dsinfer.sampling import SamplingParams, check_token_ids
 from dsinfer.structured import compiler_for
@@ -87,9 +91,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = resolve_device(config.device)
-        peak_dtype = torch.bfloat16 if config.dtype != "float32" else torch.float32
-        # Probed before the model loads: its buffers never add to the process's peak memory.
-        peaks = device_peaks(config.device_profile, peak_dtype, device.type)
+        # Measured before the model loads: its buffers never add to the process's peak memory.
+        bandwidth = peak_bandwidth(config.device_profile, device.type)
         if world_size(config) > 1:
             self.executor: UniprocExecutor | MultiprocExecutor = MultiprocExecutor(
                 config, load_for_config, device
@@ -125,7 +128,9 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.pool, self.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.utilization = UtilizationMeter(
-            step_model(self.executor.runner.model, loaded.config, self.kv_bytes_per_token), *peaks
+            step_model(self.executor.runner.model, loaded.config, self.kv_bytes_per_token),
+            bandwidth,
+            peak_flops(config.device_profile, loaded.dtype, device.type),
         )
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()

@@ -140,47 +140,69 @@ def step_model(model, config, kv_bytes_per_token: int) -> StepModel:  # noqa: AN
     )
 
 
-_probed: dict[str, tuple[float, float]] = {}
+_probed: dict[str, float] = {}  # "bandwidth" and one entry per dtype: measured once a process
 _probe_lock = threading.Lock()
 
 
-def device_peaks(profile: str | None, dtype, device_type: str) -> tuple[float, float]:  # noqa: ANN001
-    """(peak bytes/s, peak FLOP/s at `dtype`): from a device profile (a built-in name or a
-    `dsinfer probe` JSON) when given, else measured here once per process on CPU (a 96 MiB
-    copy and a 1024² GEMM, ~0.3 s), else the built-in profile of the device type."""
+def _profile(profile: str | None, device_type: str):  # noqa: ANN202
+    """The device profile peaks come from: the one given, the device type's built-in one off
+    CPU, or None (this CPU is measured)."""
     from dsinfer.planner.profiles import load_profile
 
-    name = str(dtype).removeprefix("torch.")
     if profile is not None:
-        p = load_profile(profile)
-        return p.memory_bandwidth, p.flops_for(name)
+        return load_profile(profile)
     if device_type != "cpu":
-        p = load_profile({"cuda": "h200", "npu": "ascend-910b"}.get(device_type, "h200"))
-        return p.memory_bandwidth, p.flops_for(name)
+        return load_profile({"cuda": "h200", "npu": "ascend-910b"}.get(device_type, "h200"))
+    return None
+
+
+def peak_bandwidth(profile: str | None, device_type: str) -> float:
+    """Peak bytes/s: from the profile, else a 2 × 48 MiB copy on this CPU (once a process;
+    call it before a model loads, so its buffers never add to the peak memory)."""
+    p = _profile(profile, device_type)
+    if p is not None:
+        return p.memory_bandwidth
+    return _measured("bandwidth", _copy_rate)
+
+
+def peak_flops(profile: str | None, dtype, device_type: str) -> float:  # noqa: ANN001
+    """Peak FLOP/s at `dtype` (the dtype the model runs in): from the profile, else a 1024²
+    GEMM on this CPU (once a process and dtype)."""
+    name = str(dtype).removeprefix("torch.")
+    p = _profile(profile, device_type)
+    if p is not None:
+        return p.flops_for(name)
+    return _measured(name, lambda: _gemm_rate(dtype))
+
+
+def _measured(key: str, measure) -> float:  # noqa: ANN001
     with _probe_lock:
-        if name not in _probed:
-            _probed[name] = _probe_cpu(dtype)
-        return _probed[name]
+        if key not in _probed:
+            _probed[key] = measure()
+        return _probed[key]
 
 
-def _probe_cpu(dtype) -> tuple[float, float]:  # noqa: ANN001
+def _best(fn) -> float:  # noqa: ANN001
+    fn()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _copy_rate() -> float:
     import torch
 
-    def best(fn) -> float:  # noqa: ANN001
-        fn()
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
+    src = torch.ones(6 * 1024**2, dtype=torch.float64)  # 2 × 48 MiB: past any L3 share
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 8 / _best(lambda: dst.copy_(src))  # read + write
 
-    def copy_rate() -> float:
-        src = torch.ones(6 * 1024**2, dtype=torch.float64)  # 2 × 48 MiB: past any L3 share
-        dst = torch.empty_like(src)
-        return 2 * src.numel() * 8 / best(lambda: dst.copy_(src))  # read + write
 
-    bandwidth = copy_rate()
+def _gemm_rate(dtype) -> float:  # noqa: ANN001
+    import torch
+
     n = 1024
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return bandwidth, 2 * n**3 / best(lambda: a @ b)
+    return 2 * n**3 / _best(lambda: a @ b)

@@ -174,33 +174,27 @@ class _Common(BaseModel):
             )
         so = self.structured_outputs
         if so is not None:
-            asked.append(
-                (
-                    "structured_outputs",
-                    StructuredOutputs(
-                        json=None if so.json_ is None else _schema_text(so.json_),
-                        json_object=bool(so.json_object),
-                        regex=so.regex,
-                        choice=None if so.choice is None else tuple(so.choice),
-                        grammar=so.grammar,
-                    ),
+            given = [
+                (kind, value)
+                for kind, value in (
+                    ("json", so.json_),
+                    ("json_object", so.json_object or None),
+                    ("regex", so.regex),
+                    ("choice", so.choice),
+                    ("grammar", so.grammar),
                 )
-            )
-        for name, kind in (
-            ("guided_json", "json"),
-            ("guided_regex", "regex"),
-            ("guided_choice", "choice"),
-            ("guided_grammar", "grammar"),
-        ):
+                if value is not None
+            ]
+            if len(given) != 1:
+                raise ValueError(
+                    "structured_outputs takes exactly one of json, json_object, regex, choice, "
+                    f"grammar; got {', '.join(k for k, _ in given) or 'none'}"
+                )
+            asked.append(("structured_outputs", _constraint(*given[0])))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             value = getattr(self, name)
-            if value is None:
-                continue
-            if kind == "json":
-                asked.append((name, StructuredOutputs.from_schema(value)))
-            elif kind == "choice":
-                asked.append((name, StructuredOutputs(choice=tuple(value))))
-            else:
-                asked.append((name, StructuredOutputs(**{kind: value})))
+            if value is not None:
+                asked.append((name, _constraint(name.removeprefix("guided_"), value)))
         if len(asked) > 1:
             raise ValueError(
                 f"{asked[0][0]} and {asked[1][0]} both constrain the output; send one of them"
@@ -238,10 +232,16 @@ class _Common(BaseModel):
         )
 
 
-def _schema_text(schema: dict[str, Any] | str) -> str:
-    spec = StructuredOutputs.from_schema(schema)
-    assert spec.json is not None
-    return spec.json
+def _constraint(kind: str, value: Any) -> StructuredOutputs:
+    """One constraint field's value (vLLM's structured_outputs keys and guided_* fields alike)
+    as a StructuredOutputs."""
+    if kind == "json":
+        return StructuredOutputs.from_schema(value)
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "choice":
+        return StructuredOutputs(choice=tuple(value))
+    return StructuredOutputs(**{kind: value})
 
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"

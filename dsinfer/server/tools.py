@@ -130,7 +130,7 @@ class ToolOutput:
         self.mode, self.parser, self.named = mode, parser, named  # mode: auto|required|named
         self._buffer = ""  # auto: text from the call marker on; required: the whole JSON
         self._holding = False
-        self._named_id: str | None = None
+        self._named_opened = False  # the named call's first delta (id, name) is sent
         self._scan = _ArrayScanner()
 
     # -- whole -----------------------------------------------------------------------------
@@ -154,10 +154,9 @@ class ToolOutput:
 
     def _named_delta(self, delta: str) -> list[dict]:
         out = []
-        if self._named_id is None:
-            call = ToolCall(self.named or "", "")
-            self._named_id = call.id
-            out.append({"index": 0, **call.as_openai()})
+        if not self._named_opened:
+            self._named_opened = True
+            out.append({"index": 0, **ToolCall(self.named or "", "").as_openai()})
         if delta:
             out.append({"index": 0, "function": {"arguments": delta}})
         return out

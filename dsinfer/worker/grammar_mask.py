@@ -31,6 +31,12 @@ class GrammarState:
             raise RuntimeError(f"token {token} is not allowed by the request's grammar")
         self.num_accepted += 1
 
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of an all-ones [B, W] bitmask ← the tokens allowed next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.keep is not None:
+            bitmask[row] &= self.keep
+
     @property
     def finished(self) -> bool:
         """The grammar accepted its stop token: the request ends here."""
@@ -39,13 +45,11 @@ class GrammarState:
     def greedy(self, logits: torch.Tensor) -> int:
         """The most likely allowed token of one logits row [V], accepted into the grammar
         (speculative verification: the token a greedy step would have sampled here)."""
-        vocab = logits.shape[-1]
-        bitmask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
-        self.matcher.fill_next_token_bitmask(bitmask, 0)
-        if self.keep is not None:
-            bitmask[0] &= self.keep
-        allowed = allowed_tokens(bitmask, vocab)[0].to(logits.device)
-        token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        bitmask = all_allowed(1, logits.shape[-1])
+        self.fill(bitmask, 0)
+        row = logits.unsqueeze(0).float().clone()  # [1, V]: masked in place
+        apply_bitmask(row, bitmask)
+        token = int(row.argmax())
         self.accept(token)
         return token
 
@@ -73,14 +77,16 @@ class BitmaskFiller:
         return self._pool.submit(self._fill, grammars)
 
     def _fill(self, grammars: list[GrammarState | None]) -> torch.Tensor:
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(grammars), words), -1, dtype=torch.int32)  # all allowed
+        bitmask = all_allowed(len(grammars), self.vocab_size)
         for row, g in enumerate(grammars):
             if g is not None:
-                g.matcher.fill_next_token_bitmask(bitmask, row)
-                if g.keep is not None:
-                    bitmask[row] &= g.keep
+                g.fill(bitmask, row)
         return bitmask
+
+
+def all_allowed(rows: int, vocab_size: int) -> torch.Tensor:
+    """A [rows, ceil(V/32)] int32 bitmask with every token allowed (bit t%32 of word t//32)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 def keep_mask(banned: list[int], vocab_size: int) -> torch.Tensor:

@@ -117,7 +117,7 @@ class ModelRunner:
         if not out.seqs:
             return result
         inp = build_model_input(out.seqs, self.block_size, self.device)
-        sample_idx = [i for i, s in enumerate(inp.seqs) if s.do_sample]
+        sample_idx, rows = self._sample_rows(inp)
         states = [self.states[inp.seqs[i].req_id] for i in sample_idx] if self.driver else []
         masks = self._bitmasks.start([st.grammar for st in states])  # fills during the forward
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, hidden]
@@ -126,7 +126,6 @@ class ModelRunner:
         # From here every rank of the stage runs the same calls in the same order (a split
         # vocabulary makes each logits call a collective, the MTP layer is split like the
         # model); only the driver samples and keeps results.
-        _, rows = self._sample_rows(inp)
         if sample_idx:
             logits = self._logits(hidden[rows])  # [B, V] fp32 on the driver
             if logits is not None:
