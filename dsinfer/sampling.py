@@ -168,3 +168,16 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
 def _check(ok: bool, name: str, why: str) -> None:
     if not ok:
         raise ValueError(f"invalid sampling parameter {name}: {why}")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """What sampling reports of one chosen token when logprobs were asked: its log-probability
+    and rank under the raw model distribution, and the top-n alternatives as (token id,
+    logprob). A public output type (CompletionOutput.logprobs, the server's logprobs); the
+    worker makes it, the engine and server pass it on."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]

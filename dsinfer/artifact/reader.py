@@ -16,6 +16,7 @@ from dsinfer.config import parse_dtype
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.quant import prepare_quantized
 from dsinfer.models.loader import LoadedModel, build_model
+from dsinfer.models.stages import skip_other_stage
 
 logger = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
@@ -64,8 +65,6 @@ def assign_rank_parts(
     """Under --parallel: give every parameter this rank's part of the artifact's whole tensor
     (each module knows its cut: `local_part`); only that part is copied out of the mmap.
     Tensors another pipeline stage holds are skipped. → (missing, unexpected) names."""
-    from dsinfer.models.llama import skip_other_stage
-
     num_layers = net.config.num_layers
     used: set[str] = set()
     missing: list[str] = []

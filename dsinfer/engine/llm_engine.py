@@ -31,8 +31,8 @@ from dsinfer.models.loader import EMBEDDED_MODELS, LoadedModel, resolve_model_pa
 from dsinfer.sampling import SamplingParams, check_token_ids
 from dsinfer.structured import compiler_for
 from dsinfer.tokenizer import Tokenizer, load_tokenizer
-from dsinfer.worker.executor import UniprocExecutor
-from dsinfer.worker.multiproc_executor import MultiprocExecutor, world_size
+from dsinfer.worker.executor import UniprocExecutor, make_executor
+from dsinfer.worker.multiproc_executor import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -93,16 +93,12 @@ class LLMEngine:
         device = resolve_device(config.device)
         # Measured before the model loads: its buffers never add to the process's peak memory.
         bandwidth = peak_bandwidth(config.device_profile, device.type)
-        if world_size(config) > 1:
-            self.executor: UniprocExecutor | MultiprocExecutor = MultiprocExecutor(
-                config, load_for_config, device
-            )
-            loaded = self.executor.loaded
-        else:
-            loaded = load_for_config(config)
-            self.executor = UniprocExecutor(
-                loaded, config.cache, device, config.seed, config.mtp, config.backend
-            )
+        # The executor loads the model on every rank (verified first, for an artifact).
+        self.executor: UniprocExecutor | MultiprocExecutor = make_executor(
+            config, load_for_config, device
+        )
+        loaded = self.executor.loaded
+        self.device = self.executor.runner.device  # rank 0's, once the rank is bound
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.version = loaded.version  # an artifact's short version hash, else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dsinfer.engine.fault_isolation import RequestFailure
-from dsinfer.worker.step_io import TokenLogprobs
+from dsinfer.sampling import TokenLogprobs
 
 
 @dataclass

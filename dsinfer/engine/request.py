@@ -6,8 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from dsinfer.sampling import SamplingParams
-from dsinfer.worker.step_io import TokenLogprobs
+from dsinfer.sampling import SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.Enum):

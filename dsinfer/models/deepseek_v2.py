@@ -23,13 +23,8 @@ from dsinfer.layers.moe import DeepseekMoE, MoEConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, StepRope, apply_rotary, yarn_mscale
 from dsinfer.models.deepseek_mtp import build_mtp_layer, map_mtp_name, mtp_forward
-from dsinfer.models.llama import (
-    LlamaForCausalLM,
-    LlamaMLP,
-    skip_other_stage,
-    stage_embedding,
-    stage_lm_head,
-)
+from dsinfer.models.llama import LlamaForCausalLM, LlamaMLP
+from dsinfer.models.stages import skip_other_stage, stage_embedding, stage_lm_head
 
 logger = logging.getLogger(__name__)
 Rope = StepRope

@@ -15,11 +15,11 @@ from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.distributed.pipeline import pipeline_forward
 from dsinfer.layers.activation import get_gated_activation
 from dsinfer.layers.attention import AttentionMetadata, make_attention
-from dsinfer.layers.embedding import LMHead, VocabEmbedding
 from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, StepRope
+from dsinfer.models.stages import skip_other_stage, stage_embedding, stage_lm_head
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = StepRope
@@ -98,30 +98,6 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, rope, cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
-
-def stage_embedding(cfg: ModelConfig) -> VocabEmbedding | None:
-    """The token embedding, on the first pipeline stage only (the others receive states)."""
-    return (
-        VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if parallel_state().is_first_stage else None
-    )
-
-
-def stage_lm_head(cfg: ModelConfig, embedding: VocabEmbedding | None) -> LMHead | None:
-    """The LM head, on the first stage only: it holds the sampler (and the tied embedding)."""
-    if not parallel_state().is_first_stage:
-        return None
-    return LMHead(cfg.vocab_size, cfg.hidden_size, embedding if cfg.tie_word_embeddings else None)
-
-
-def skip_other_stage(name: str, num_layers: int) -> bool:
-    """A checkpoint tensor another pipeline stage holds: its decoder layers, and the
-    embedding and LM head off the first stage."""
-    state = parallel_state()
-    if name.startswith("model.layers."):
-        index = int(name.split(".")[2])
-        return index < num_layers and index not in state.stage_layers(num_layers)
-    return not state.is_first_stage and name.startswith(("model.embed_tokens.", "lm_head."))
 
 
 class LlamaModel(nn.Module):

@@ -25,7 +25,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dsinfer.engine.llm_engine import EngineStats, LLMEngine
+from dsinfer.engine.core import EngineCore
+from dsinfer.engine.llm_engine import EngineStats
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.sampling import SamplingParams
 
@@ -96,7 +97,8 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Owns one LLMEngine on a dedicated thread.
+    """Owns one engine (an EngineCore: LLMEngine, or a scripted one in protocol tests) on a
+    dedicated thread.
 
     Pass a factory rather than a built engine where you can: the engine is then built on the
     thread that will run it, and can be rebuilt there after a fault. With torch's OpenMP pool,
@@ -105,9 +107,10 @@ class AsyncEngine:
     on another halves single-stream speed.
     """
 
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
-        self._factory = engine if callable(engine) and not isinstance(engine, LLMEngine) else None
-        self.engine: LLMEngine = None if self._factory else engine  # type: ignore[assignment]
+    def __init__(self, engine: EngineCore | Callable[[], EngineCore]) -> None:
+        # A factory is a plain callable; an engine is not (it has a step method).
+        self._factory = engine if not hasattr(engine, "step") else None
+        self.engine: EngineCore = None if self._factory else engine  # type: ignore[assignment]
         self._ready = threading.Event()
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -133,7 +136,7 @@ class AsyncEngine:
     @property
     def num_running(self) -> int:
         engine = self.engine
-        return len(engine.scheduler.running) if engine is not None else 0
+        return engine.stats().running if engine is not None else 0
 
     def stats(self) -> EngineStats | None:
         """The engine's figures now; None while it is being (re)built."""
@@ -143,7 +146,7 @@ class AsyncEngine:
     @property
     def device(self) -> Any:
         engine = self.engine
-        return engine.executor.runner.device if engine is not None else None
+        return engine.device if engine is not None else None
 
     @property
     def state(self) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.sampling import check_token_ids
+from dsinfer.sampling import TokenLogprobs, check_token_ids
 from dsinfer.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -23,7 +23,6 @@ from dsinfer.server.errors import APIError
 from dsinfer.server.metrics import ServerMetrics, labels_of
 from dsinfer.structured import GrammarCompiler, StructuredOutputs, compiler_for
 from dsinfer.tokenizer import Tokenizer
-from dsinfer.worker.step_io import TokenLogprobs
 
 
 @dataclass

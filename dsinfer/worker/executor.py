@@ -1,26 +1,31 @@
-"""Executor: runs a SchedulerOutput on every rank. World size 1 here: the runner in-process."""
+"""Executors load the model on every rank and run a SchedulerOutput there. World size 1 here:
+the runner in-process; `make_executor` picks this one or the multi-process one.
+
+The engine hands an executor its config and a `load(config) -> LoadedModel` function (the
+artifact layer's: verify under the trust policy, then read) rather than a loaded model: under
+tensor parallelism each rank loads its own part, so loading is the executor's job."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from dsinfer.config import CacheConfig
 from dsinfer.models.loader import LoadedModel
 from dsinfer.worker.model_runner import ModelRunner
+from dsinfer.worker.multiproc_executor import MultiprocExecutor, world_size
 from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
+
+Loader = Callable[[Any], LoadedModel]
 
 
 class UniprocExecutor:
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        cache: CacheConfig,
-        device: torch.device,
-        seed: int = 0,
-        speculative: bool = True,
-        backend: str = "reference",
-    ) -> None:
-        self.runner = ModelRunner(loaded, cache, device, seed, speculative, backend=backend)
+    def __init__(self, config: Any, load: Loader, device: torch.device) -> None:
+        self.loaded = load(config)
+        self.runner = ModelRunner(
+            self.loaded, config.cache, device, config.seed, config.mtp, backend=config.backend
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -38,3 +43,12 @@ class UniprocExecutor:
 
     def shutdown(self) -> None:
         """Nothing to stop in one process."""
+
+
+def make_executor(
+    config: Any, load: Loader, device: torch.device
+) -> UniprocExecutor | MultiprocExecutor:
+    """One process for world size 1, else rank 0 here and the other ranks spawned."""
+    if world_size(config) > 1:
+        return MultiprocExecutor(config, load, device)
+    return UniprocExecutor(config, load, device)

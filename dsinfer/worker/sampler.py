@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsinfer.sampling import SamplingParams
+from dsinfer.sampling import SamplingParams, TokenLogprobs
 from dsinfer.worker.grammar_mask import GrammarState
-from dsinfer.worker.step_io import TokenLogprobs
 
 
 @dataclass

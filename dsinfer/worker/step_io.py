@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsinfer.sampling import SamplingParams
+from dsinfer.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,16 +47,6 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """Log-probability of one chosen token plus the top-n alternatives (raw model distribution)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)
