@@ -1,4 +1,8 @@
-"""A real uvicorn server on 127.0.0.1 over a real engine, for the real `openai` client."""
+"""A real uvicorn server on 127.0.0.1, for the real `openai` client and raw HTTP.
+
+Two kinds of engine behind it: the real model (`served`: SmolLM2 fp32; `tiny_smol`: a tiny
+random Llama behind SmolLM2's real tokenizer) for end-to-end tests, and a scripted engine
+(`scripted`, tests/server/scripted_engine.py) for the protocol tests, which need no model."""
 
 from __future__ import annotations
 
@@ -103,18 +107,46 @@ def wait_idle(served: ServedModel, timeout: float = 10.0) -> None:
     eng = served.engine.engine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        stats = eng.stats()
         if (
             not eng.has_unfinished_requests()
-            and eng.pool.num_used == 0
+            and stats.kv_blocks_used == 0
             and served.engine.num_pending == 0
         ):
             eng.check_integrity()
             return
         time.sleep(0.05)
+    stats = eng.stats()
     raise AssertionError(
-        f"engine not idle: {eng.pool.num_used} blocks used, "
-        f"{eng.num_unfinished} requests, {served.engine.num_pending} pending"
+        f"engine not idle: {stats.kv_blocks_used} blocks used, {stats.running} running, "
+        f"{stats.waiting} waiting, {served.engine.num_pending} pending"
     )
+
+
+@pytest.fixture(scope="package")
+def smol_tokenizer():
+    from dsinfer.models.loader import resolve_model_path
+    from dsinfer.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_path("smollm2"))
+
+
+@pytest.fixture(scope="package")
+def scripted(smol_tokenizer) -> Iterator[ServedModel]:
+    """The scripted engine (no model) behind SmolLM2's real tokenizer and chat template."""
+    from tests.server.scripted_engine import ScriptedEngine
+
+    engine = ScriptedEngine(smol_tokenizer)
+    runner = AsyncEngine(engine)
+    yield ServedModel("smollm2", runner, smol_tokenizer, engine.max_model_len)
+    runner.shutdown()
+
+
+@pytest.fixture(scope="package")
+def scripted_url(scripted) -> Iterator[str]:
+    app = build_app({"smollm2": scripted}, ServerSettings(api_key=API_KEY, max_body_bytes=64_000))
+    with running_server(app) as url:
+        yield url
 
 
 def wait_healthy(url: str, procs: list, seconds: float = 90) -> None:  # noqa: ANN001

@@ -32,21 +32,21 @@ def _assert_4xx(r: httpx.Response, status: int, *words: str) -> dict:
     return err
 
 
-def test_seed_past_int64_is_a_400_and_the_engine_lives(base_url, served):
+def test_seed_past_int64_is_a_400_and_the_engine_lives(scripted_url, scripted):
     r = _post(
-        base_url,
+        scripted_url,
         "/v1/chat/completions",
         {"messages": CHAT, "seed": 18446744073709551616, "max_tokens": 2},
     )
     assert _assert_4xx(r, 400, "seed")["param"] == "seed"
     r = _post(
-        base_url, "/v1/completions", {"prompt": "a", "seed": 2**63 - 1, "n": 2, "max_tokens": 1}
+        scripted_url, "/v1/completions", {"prompt": "a", "seed": 2**63 - 1, "n": 2, "max_tokens": 1}
     )
     _assert_4xx(r, 400, "int64")
-    r = _post(base_url, "/v1/chat/completions", {"messages": CHAT, "seed": -5, "max_tokens": 2})
+    r = _post(scripted_url, "/v1/chat/completions", {"messages": CHAT, "seed": -5, "max_tokens": 2})
     assert r.status_code == 200, r.text
-    assert httpx.get(f"{base_url}/health").status_code == 200
-    wait_idle(served)
+    assert httpx.get(f"{scripted_url}/health").status_code == 200
+    wait_idle(scripted)
 
 
 @pytest.mark.parametrize(
@@ -62,50 +62,50 @@ def test_seed_past_int64_is_a_400_and_the_engine_lives(base_url, served):
         ("/v1/completions", '{"prompt": "a", "max_tokens": 1, "user": "\\ud800"}', "user"),
     ],
 )
-def test_lone_surrogates_are_a_400(base_url, path, raw, param):
-    err = _assert_4xx(_post(base_url, path, raw), 400, "surrogate")
+def test_lone_surrogates_are_a_400(scripted_url, path, raw, param):
+    err = _assert_4xx(_post(scripted_url, path, raw), 400, "surrogate")
     assert err["param"] == param
 
 
-def test_malformed_json_values_are_400s(base_url):
+def test_malformed_json_values_are_400s(scripted_url):
     deep = "[" * 10_000 + "]" * 10_000
-    _assert_4xx(_post(base_url, "/v1/completions", '{"prompt": ' + deep + "}"), 400, "nested")
-    _assert_4xx(_post(base_url, "/v1/completions", "[" * 30_000), 400)
+    _assert_4xx(_post(scripted_url, "/v1/completions", '{"prompt": ' + deep + "}"), 400, "nested")
+    _assert_4xx(_post(scripted_url, "/v1/completions", "[" * 30_000), 400)
     huge = '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}"
-    _assert_4xx(_post(base_url, "/v1/completions", huge), 400, "unreadable JSON value")
+    _assert_4xx(_post(scripted_url, "/v1/completions", huge), 400, "unreadable JSON value")
     nan = '{"prompt": "a", "temperature": NaN}'
-    _assert_4xx(_post(base_url, "/v1/completions", nan), 400, "temperature")
+    _assert_4xx(_post(scripted_url, "/v1/completions", nan), 400, "temperature")
     inf = '{"prompt": "a", "repetition_penalty": Infinity}'
-    _assert_4xx(_post(base_url, "/v1/completions", inf), 400, "repetition_penalty")
+    _assert_4xx(_post(scripted_url, "/v1/completions", inf), 400, "repetition_penalty")
 
 
-def test_tokenize_refuses_non_text_parts(base_url):
+def test_tokenize_refuses_non_text_parts(scripted_url):
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    err = _assert_4xx(_post(base_url, "/tokenize", {"messages": msgs}), 400, "image_url")
+    err = _assert_4xx(_post(scripted_url, "/tokenize", {"messages": msgs}), 400, "image_url")
     assert err["param"] == "messages"
 
 
-def test_non_ascii_bearer_token_is_a_401(base_url):
+def test_non_ascii_bearer_token_is_a_401(scripted_url):
     for path in ("/v1/models", "/v1/completions"):
         r = httpx.request(
             "GET" if path == "/v1/models" else "POST",
-            f"{base_url}{path}",
+            f"{scripted_url}{path}",
             headers={"Authorization": "Bearer clé-ünïcode".encode()},
             json={"prompt": "a"} if path != "/v1/models" else None,
         )
         assert r.status_code == 401, r.text
 
 
-def test_non_json_content_type_is_a_415(base_url):
+def test_non_json_content_type_is_a_415(scripted_url):
     r = _post(
-        base_url,
+        scripted_url,
         "/v1/completions",
         '{"prompt": "a", "max_tokens": 1}',
         **{"content-type": "text/plain"},
     )
     _assert_4xx(r, 415, "application/json")
     r = _post(
-        base_url,
+        scripted_url,
         "/v1/completions",
         '{"prompt": "a", "max_tokens": 1}',
         **{"content-type": "application/json; charset=utf-8"},
@@ -113,31 +113,31 @@ def test_non_json_content_type_is_a_415(base_url):
     assert r.status_code == 200, r.text
 
 
-def test_completions_max_tokens_null_means_16(base_url, served):
+def test_completions_max_tokens_null_means_16(scripted_url, scripted):
     body = {"prompt": "Count:", "max_tokens": None, "ignore_eos": True, "temperature": 0}
-    r = _post(base_url, "/v1/completions", body)
+    r = _post(scripted_url, "/v1/completions", body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
-    wait_idle(served)
+    wait_idle(scripted)
 
 
-def test_chat_context_error_names_messages(base_url, served):
-    long = [{"role": "user", "content": "word " * (served.max_model_len + 10)}]
+def test_chat_context_error_names_messages(scripted_url, scripted):
+    long = [{"role": "user", "content": "word " * (scripted.max_model_len + 10)}]
     for extra in ({}, {"max_tokens": 5}, {"max_completion_tokens": 5}):
-        r = _post(base_url, "/v1/chat/completions", {"messages": long, **extra})
+        r = _post(scripted_url, "/v1/chat/completions", {"messages": long, **extra})
         assert _assert_4xx(r, 400)["param"] == "messages"
 
 
-def test_docs_need_the_key_unless_public(served):
+def test_docs_need_the_key_unless_public(scripted):
     for public, status in ((False, 401), (True, 200)):
-        app = build_app({"smollm2": served}, ServerSettings(api_key=API_KEY, public_docs=public))
+        app = build_app({"smollm2": scripted}, ServerSettings(api_key=API_KEY, public_docs=public))
         with running_server(app) as url:
             for path in ("/docs", "/openapi.json"):
                 assert httpx.get(f"{url}{path}").status_code == status
                 assert httpx.get(f"{url}{path}", headers=AUTH).status_code == 200
 
 
-def test_a_body_cut_short_answers_408_and_frees_the_connection(served):
-    app = build_app({"smollm2": served}, ServerSettings(body_timeout_s=1.0))
+def test_a_body_cut_short_answers_408_and_frees_the_connection(scripted):
+    app = build_app({"smollm2": scripted}, ServerSettings(body_timeout_s=1.0))
     with running_server(app) as url:
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
@@ -152,38 +152,38 @@ def test_a_body_cut_short_answers_408_and_frees_the_connection(served):
         assert httpx.get(f"{url}/health").status_code == 200
 
 
-def test_a_non_streaming_client_that_leaves_frees_its_blocks(base_url, served):
+def test_a_non_streaming_client_that_leaves_frees_its_blocks(scripted_url, scripted):
     body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{base_url}/v1/completions", headers=AUTH, json=body, timeout=1.5)
-    wait_idle(served, timeout=5)  # aborted within a poll of the disconnect, not after 400 tokens
+        httpx.post(f"{scripted_url}/v1/completions", headers=AUTH, json=body, timeout=1.5)
+    wait_idle(scripted, timeout=5)  # aborted within a poll of the disconnect, not after 400 tokens
 
 
-def test_a_prompt_list_runs_as_one_batch(base_url, served):
+def test_a_prompt_list_runs_as_one_batch(scripted_url, scripted):
     seen: list[int] = []
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.is_set():
-            seen.append(served.engine.num_running)
+            seen.append(scripted.engine.num_running)
             time.sleep(0.01)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
         body = {"prompt": ["One", "Two", "Three", "Four"], "max_tokens": 8, "ignore_eos": True}
-        r = _post(base_url, "/v1/completions", body)
+        r = _post(scripted_url, "/v1/completions", body)
     finally:
         stop.set()
         watcher.join()
     assert r.status_code == 200 and len(r.json()["choices"]) == 4
     assert max(seen) == 4, max(seen)
-    wait_idle(served)
+    wait_idle(scripted)
 
 
-def test_a_simultaneous_burst_respects_the_queue_limit(served):
+def test_a_simultaneous_burst_respects_the_queue_limit(scripted):
     """64 streams at once against --max-queued-requests 4: the excess gets 429 at once."""
-    app = build_app({"smollm2": served}, ServerSettings(max_queued_requests=4))
+    app = build_app({"smollm2": scripted}, ServerSettings(max_queued_requests=4))
     body = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "stream": True}
 
     async def burst(url: str) -> list[int]:
@@ -202,4 +202,4 @@ def test_a_simultaneous_burst_respects_the_queue_limit(served):
     # At most the running batch (8 sequences) plus the 4 queued can have been admitted at
     # once; a few more may slip in as early streams finish during the burst.
     assert statuses.count(429) >= 40, statuses.count(429)
-    wait_idle(served)
+    wait_idle(scripted)

@@ -10,8 +10,8 @@ from dsinfer.server.api import ServerSettings, build_app
 from tests.server.conftest import running_server, wait_idle
 
 
-def test_excess_requests_get_429_not_5xx(served):
-    app = build_app({"smollm2": served}, ServerSettings(max_queued_requests=1))
+def test_excess_requests_get_429_not_5xx(scripted):
+    app = build_app({"smollm2": scripted}, ServerSettings(max_queued_requests=1))
     statuses: list[int] = []
     retry_after: list[str | None] = []
     with running_server(app) as url:
@@ -36,4 +36,4 @@ def test_excess_requests_get_429_not_5xx(served):
     assert all(s in (200, 429) for s in statuses), statuses
     assert statuses.count(429) >= 1 and statuses.count(200) >= 1
     assert all(ra == "1" for ra in retry_after)
-    wait_idle(served)
+    wait_idle(scripted)
