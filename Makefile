@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Multi-process grids, two-node runs, the long fuzz and the full-length parity runs (marked
+# `slow`): not part of `make test`; see the README for when to run them.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check dsinfer tests benchmarks

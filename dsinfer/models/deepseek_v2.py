@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from dsinfer.layers.moe import DeepseekMoE, MoEConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, StepRope, apply_rotary, yarn_mscale
 from dsinfer.models.deepseek_mtp import build_mtp_layer, map_mtp_name, mtp_forward
+from dsinfer.models.hf_config import common_config, refuse_mlp_bias
 from dsinfer.models.llama import LlamaForCausalLM, LlamaMLP
 from dsinfer.models.stages import skip_other_stage, stage_embedding, stage_lm_head
 
@@ -159,11 +161,50 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def deepseek_hyperparameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MLA and MoE hyper-parameters of DeepSeek-V2/V3 configs."""
+    v3 = cfg["architectures"][0] == "DeepseekV3ForCausalLM"
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    topk_method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    grouped = topk_method in ("group_limited_greedy", "noaux_tc")
+    return {
+        "q_lora_rank": cfg.get("q_lora_rank"),
+        "kv_lora_rank": int(cfg["kv_lora_rank"]),
+        "qk_nope_head_dim": int(cfg["qk_nope_head_dim"]),
+        "qk_rope_head_dim": int(cfg["qk_rope_head_dim"]),
+        "v_head_dim": int(cfg["v_head_dim"]),
+        "n_routed_experts": int(cfg.get("n_routed_experts") or 0),
+        "n_shared_experts": int(cfg.get("n_shared_experts") or 0),
+        "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 1),
+        "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or 0),
+        "first_k_dense_replace": int(cfg.get("first_k_dense_replace") or 0),
+        "moe_layer_freq": int(cfg.get("moe_layer_freq") or 1),
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "scoring_func": scoring,
+        "n_group": int(cfg.get("n_group") or 1) if grouped else 1,
+        "topk_group": int(cfg.get("topk_group") or 1) if grouped else 1,
+        # transformers' V2 router never renormalises; V3 follows the config.
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) and v3,
+        "score_correction_bias": topk_method == "noaux_tc",
+        "num_nextn_predict_layers": int(cfg.get("num_nextn_predict_layers") or 0),
+    }
+
+
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """Shares the Llama driver (embed → layers → norm → LM head); layers are MLA + MoE."""
 
     # Only the dense and shared-expert MLPs fuse gate|up; MLA's projections load as they are.
     packed_modules = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+    @classmethod
+    def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """MLA and MoE hyper-parameters join the shared fields (typed views: cfg.mla, cfg.moe).
+        transformers writes head_dim = the rope part; the real q/k head is nope + rope."""
+        refuse_mlp_bias(cfg)
+        extra = deepseek_hyperparameters(cfg)
+        bias = bool(cfg.get("attention_bias", False))
+        head_dim = extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"]
+        return common_config(cfg, head_dim=head_dim, qkv_bias=bias, o_bias=bias, extra=extra)
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)

@@ -7,6 +7,8 @@ rows belong to which sequence.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, StepRope
+from dsinfer.models.hf_config import common_config, refuse_mlp_bias
 from dsinfer.models.stages import skip_other_stage, stage_embedding, stage_lm_head
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -123,6 +126,13 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"),
         "up_proj": ("gate_up_proj", "up"),
     }
+
+    @classmethod
+    def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Llama's config.json: `attention_bias` puts a bias on q, k, v and o alike."""
+        refuse_mlp_bias(cfg)
+        bias = bool(cfg.get("attention_bias", False))
+        return common_config(cfg, qkv_bias=bias, o_bias=bias)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -53,6 +53,7 @@ def v3_reference(tmp_path_factory):
     return config, ref
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 @pytest.mark.parametrize(
     ("tp", "pp", "ep"),
     [(2, 1, 1), (1, 2, 1), (2, 1, 2)],
@@ -94,6 +95,7 @@ def _tiny_config(src, num_blocks: int) -> EngineConfig:  # noqa: ANN001
     )
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_llama_tp2_pp2_with_tied_split_vocabulary_equals_single_process(tmp_path):
     torch.manual_seed(23)
     config = _tiny_config(tiny_llama_dir(tmp_path / "tiny", num_layers=3, tied=True), 14)
@@ -136,6 +138,7 @@ def test_cli_refuses_unsplittable_grids_and_uneven_nodes(tmp_path, capsys):
     assert "same grid" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_two_nodes_over_the_rendezvous_flags_match_one_process(tmp_path, capsys):
     """Node 1 is a second `dsinfer generate` process started with --node-rank 1; node 0 serves
     the request. Both on 127.0.0.1: the same code path as two machines."""
@@ -161,6 +164,7 @@ def test_two_nodes_over_the_rendezvous_flags_match_one_process(tmp_path, capsys)
         node1.kill()
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_llama_pp3_middle_stage_equals_single_process(tmp_path):
     """Three stages: the middle one receives, runs its layer and passes on (no reply)."""
     torch.manual_seed(25)
@@ -174,6 +178,7 @@ def test_llama_pp3_middle_stage_equals_single_process(tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 @pytest.mark.parametrize(("tp", "pp", "ep"), [(2, 1, 1), (1, 2, 1), (2, 1, 2)])
 def test_mtp_speculation_under_a_grid_drafts_and_accepts_like_one_process(mtp_dir, tp, pp, ep):
     """V3's MTP layer split like the model (first stage): same tokens, and the same drafts
@@ -226,6 +231,7 @@ def _record_drafts(llm) -> list[dict]:  # noqa: ANN001
     return steps
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_a_second_parallel_engine_in_one_process_is_refused(tmp_path):
     config = _tiny_config(tiny_llama_dir(tmp_path / "tiny"), 16)
     first = LLMEngine(dataclasses.replace(config, tensor_parallel=2))

@@ -35,6 +35,7 @@ def _same_as_single(config: EngineConfig, **grid: int) -> LLMEngine:
     return engine
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 @pytest.mark.parametrize(("quant", "tp"), [("none", 2), ("int8", 2), ("int4", 1)])
 def test_llama_artifact_under_a_grid_equals_single_process(tmp_path, quant, tp):
     torch.manual_seed(31)
@@ -49,6 +50,7 @@ def test_llama_artifact_under_a_grid_equals_single_process(tmp_path, quant, tp):
         engine.shutdown()
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_deepseek_v3_int8_artifact_under_tp2_equals_single_process(tmp_path):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 

@@ -48,6 +48,7 @@ def test_tp_refuses_shapes_that_do_not_split(tmp_path):
         LLM(str(src), num_blocks=8, block_size=4, tensor_parallel=3)
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_cli_generate_with_tp2_matches_single(tmp_path, capsys):
     from dsinfer.cli import main
 
@@ -85,6 +86,7 @@ def test_dead_worker_fails_the_step_instead_of_hanging(tmp_path):
         destroy_parallel()
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_a_dead_tp_worker_fails_in_flight_requests_then_the_engine_restarts(tmp_path):
     """A killed rank: the stream in flight ends with a 503 event (engine_restarted), the engine
     rebuilds its workers, and the same server answers again — no process restart."""
@@ -144,6 +146,7 @@ def test_a_dead_tp_worker_fails_in_flight_requests_then_the_engine_restarts(tmp_
         destroy_parallel()
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_pp2_greedy_equals_single_process_with_preemption(tmp_path):
     import dataclasses
 
@@ -201,6 +204,7 @@ def test_ep2_deepseek_v3_greedy_equals_single_process_with_preemption(tmp_path):
         ep.shutdown()
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_parallel_auto_plans_for_this_machine_and_runs(tmp_path, capsys, caplog):
     import logging
 

@@ -4,6 +4,8 @@ heads, a tied vocabulary of 49,152 split in three) in-process, and a two-node se
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import subprocess
@@ -16,6 +18,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = "The capital of France is Paris."
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_smollm2_tp3_split_vocabulary_answers_like_one_process():
     llm = LLM("smollm2", dtype="float32", kv_cache_memory="64MiB", tensor_parallel=3)
     try:
@@ -38,6 +41,7 @@ def _serve(port: int, master_port: int, node_rank: int) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # multi-process: make test-slow
 def test_two_node_server_answers_the_openai_client_and_stops_cleanly():
     from openai import OpenAI
 

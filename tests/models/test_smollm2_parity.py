@@ -25,7 +25,9 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
 
 # Both backends against transformers: the default (fused) and the reference.
 BACKENDS = pytest.mark.parametrize("llm_fixture", ["smol_llm", "smol_llm_reference"])
-_HF_GREEDY: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}  # both backends share it
+_HF_GREEDY: dict[
+    tuple[tuple[int, ...], int], tuple[list[int], torch.Tensor]
+] = {}  # both backends share it
 
 
 @BACKENDS
@@ -41,18 +43,28 @@ def test_logits_match_reference_at_every_position(llm_fixture, hf_smol, request)
     assert_pool_clean(smol_llm.engine)
 
 
+# make test: 3 prompts x 32 tokens; make test-slow: all 8 prompts x 64 tokens.
+GREEDY_RUNS = pytest.mark.parametrize(
+    ("num_prompts", "num_tokens"),
+    [(3, 32), pytest.param(len(PROMPTS), 64, marks=pytest.mark.slow)],
+)
+
+
+@GREEDY_RUNS
 @BACKENDS
-def test_64_greedy_tokens_match_reference(llm_fixture, hf_smol, request):
+def test_greedy_tokens_match_reference(llm_fixture, num_prompts, num_tokens, hf_smol, request):
     smol_llm = request.getfixturevalue(llm_fixture)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    outs = smol_llm.generate(PROMPTS, params)
-    for prompt, out in zip(PROMPTS, outs, strict=True):
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    prompts = PROMPTS[:num_prompts]
+    outs = smol_llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
         ids = smol_llm.tokenizer.encode(prompt)
-        if tuple(ids) not in _HF_GREEDY:
-            _HF_GREEDY[tuple(ids)] = hf_greedy(hf_smol, ids, 64)
-        ref, ref_logits = _HF_GREEDY[tuple(ids)]
+        key = (tuple(ids), num_tokens)
+        if key not in _HF_GREEDY:
+            _HF_GREEDY[key] = hf_greedy(hf_smol, ids, num_tokens)
+        ref, ref_logits = _HF_GREEDY[key]
         ours = out.outputs[0].token_ids
-        assert len(ours) == 64
+        assert len(ours) == num_tokens
         assert tokens_match_up_to_near_tie(ours, ref, ref_logits), (prompt, ours, ref)
     assert_pool_clean(smol_llm.engine)
 

@@ -26,9 +26,10 @@ def _recipe(name: str):  # noqa: ANN202
     ("name", "schema"),
     [
         ("fraud_screening", "VERDICT"),
-        ("record_extraction", "RECORD"),
-        ("summarisation", "SUMMARY"),
-        ("tutoring", "HINT"),
+        # One JSON recipe in make test; the others (~5 s each) in make test-slow.
+        pytest.param("record_extraction", "RECORD", marks=pytest.mark.slow),
+        pytest.param("summarisation", "SUMMARY", marks=pytest.mark.slow),
+        pytest.param("tutoring", "HINT", marks=pytest.mark.slow),
     ],
 )
 def test_json_recipes_validate(client, name, schema):
@@ -37,7 +38,7 @@ def test_json_recipes_validate(client, name, schema):
     jsonschema.validate(out, getattr(recipe, schema))
 
 
-@pytest.mark.parametrize("language", ["en", "zh"])
+@pytest.mark.parametrize("language", ["en", pytest.param("zh", marks=pytest.mark.slow)])
 def test_customer_service_calls_the_tool_then_answers(client, language):
     recipe = _recipe("customer_service")
     out = recipe.run(client, "smollm2", language)
