@@ -4,12 +4,12 @@ heads, a tied vocabulary of 49,152 split in three) in-process, and a two-node se
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import signal
 import subprocess
 import sys
+
+import pytest
 
 from dsinfer import LLM, SamplingParams
 from tests.server.conftest import free_port, wait_healthy
