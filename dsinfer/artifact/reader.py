@@ -27,15 +27,19 @@ def load_artifact(root: str | Path, policy: TrustPolicy, device: str = "cpu") ->
     root = Path(root)
     manifest = verify_artifact(root, policy)
     quant = manifest.quantization
-    if quant["scheme"] in ("int8", "int4") and device != "cpu":
-        raise ArtifactError(
-            f"{root} holds {quant['scheme']} weights in torch's CPU kernel layout; "
-            f"compile another artifact for {device} or serve it with --device cpu"
-        )
     cfg = config_from_dict(manifest.model_config)
     dtype = parse_dtype(quant["dtype"])
     net = build_model(cfg, dtype, device)
-    prepare_quantized(net, quant["scheme"], quant.get("group_size", 0), quant["layer_formats"])
+    try:  # the scheme's registered method for this device declares the tensors' layout
+        prepare_quantized(
+            net,
+            quant["scheme"],
+            quant.get("group_size", 0),
+            quant["layer_formats"],
+            torch.device(device).type,
+        )
+    except ValueError as e:
+        raise ArtifactError(f"{root}: {e}; or compile another artifact for {device}") from None
     tensors = _read_tensors(root, manifest, device)
     if parallel_state().world > 1:
         missing, unexpected = assign_rank_parts(net, tensors)

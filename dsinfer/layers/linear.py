@@ -19,7 +19,21 @@ from dsinfer.layers.kernels import Kernels
 
 
 class LinearMethod:
-    """Seam for weight formats: how to create parameters and how to apply them."""
+    """Seam for weight formats. A method owns its tensors end to end: it declares them
+    (`tensor_names`, `create_weights`), prepares them for the backend's kernels after loading
+    (`use_kernels`), multiplies with them (`apply`) and says how tensor parallelism cuts each
+    (`tp_dims`). Quantised methods are registered by (scheme, device type) in quant.py; the
+    layer never names a scheme's tensors."""
+
+    tensor_names: tuple[str, ...] = ("weight",)
+    # Said when a row-parallel cut would split what must stay whole (int4 groups).
+    uncuttable_hint = ""
+
+    def tp_dims(self, name: str) -> tuple[int, int | None]:
+        """(output dimension, input dimension or None) of one of this method's tensors: where
+        a column-parallel and a row-parallel cut fall. None: the tensor is per output row and
+        stays whole under a row-parallel cut."""
+        return 0, 1
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         raise NotImplementedError
@@ -121,15 +135,14 @@ class Linear(nn.Module):
 
     def set_method(self, method: LinearMethod) -> None:
         """Swap the weight format (artifact load, compile): drops the old weight tensors."""
-        for name in ("weight", "qweight", "scales", "scales_zeros"):
+        for name in self.method.tensor_names:
             self._parameters.pop(name, None)
         self.method = method
         method.create_weights(self, self.out_features, self.in_features)
 
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole stored tensor of this layer (a compiled artifact holds
-        fused, possibly quantised tensors: weight/qweight [out, in(/2)], bias/scales [out],
-        scales_zeros [in/G, out, 2])."""
+        fused, possibly quantised tensors; the method says where each is cut)."""
         return self._tp_cut(name, full, list(self.shards.values()) or [(0, self.out_features)])
 
     def _tp_cut(self, name: str, full: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -137,24 +150,22 @@ class Linear(nn.Module):
 
         Column parallel: each span (offset, rows per rank) of the output dimension is cut
         separately — [q | k | v] → [q_r | k_r | v_r]. Row parallel: the input dimension is cut;
-        per-output-row tensors (bias, scales) stay whole."""
+        per-output-row tensors (the bias, per-row scales) stay whole."""
         if self.parallel is None:
             return full
-        out_dim = 1 if name == "scales_zeros" else 0
+        out_dim, in_dim = (0, None) if name == "bias" else self.method.tp_dims(name)
         if self.parallel == "column":
             parts = [
                 full.narrow(out_dim, off * self.tp_size + self.tp_rank * rows, rows)
                 for off, rows in spans
             ]
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=out_dim)
-        if name in ("bias", "scales") or full.dim() < 2:  # per output row: whole on every rank
+        if in_dim is None or full.dim() < 2:  # per output row: whole on every rank
             return full
-        in_dim = 0 if name == "scales_zeros" else 1
         if full.shape[in_dim] % self.tp_size:
             raise ValueError(
                 f"{name} {tuple(full.shape)} does not split over {self.tp_size} "
-                "tensor-parallel ranks (int4 groups cannot be cut): serve an int8 or float "
-                "artifact with this --parallel, or compile int4 with a smaller --group-size"
+                f"tensor-parallel ranks{self.method.uncuttable_hint}"
             )
         width = full.shape[in_dim] // self.tp_size  # columns (int4: bytes or groups) per rank
         return full.narrow(in_dim, self.tp_rank * width, width)

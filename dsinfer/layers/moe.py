@@ -18,7 +18,28 @@ from dsinfer.distributed.comm import all_reduce_stage
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.activation import silu_and_mul
 from dsinfer.layers.linear import Linear
-from dsinfer.layers.quant import int8_mm, quantize_int8
+
+
+class ExpertsMethod:
+    """Seam for the stacked experts' weight format (like Linear's LinearMethod): the method
+    declares its tensors, says how tensor parallelism cuts each, and multiplies. The float one
+    is here; quantised ones are registered by (scheme, device type) in quant.py."""
+
+    tensor_names: tuple[str, ...] = ("w13", "w2")
+
+    def create_weights(self, experts: nn.Module, e: int, two_i: int, h: int) -> None:
+        """w13 [E, 2I, H] (gate | up rows), w2 [E, H, I]."""
+        experts.w13 = nn.Parameter(torch.empty(e, two_i, h), requires_grad=False)
+        experts.w2 = nn.Parameter(torch.empty(e, h, two_i // 2), requires_grad=False)
+
+    def tp_layout(self, name: str) -> tuple[bool, int | None]:
+        """(halves, dim) of a stored stack: the intermediate dimension the TP cut falls on
+        (halves: it holds gate | up, each cut alike), or None: whole on every rank."""
+        return (True, 1) if name == "w13" else (False, 2)
+
+    def matmul(self, experts: nn.Module, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
+        """x [n, in] through expert e's w13 or w2."""
+        return F.linear(x, getattr(experts, f"w{which}")[e])
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +115,9 @@ class RoutedExperts(nn.Module):
         # Expert parallel: this rank holds experts owned = [first, first + local) of the e.
         owned = state.expert_range(e)
         self.owned, self.first = owned, owned.start
-        self.w13 = nn.Parameter(torch.empty(len(owned), 2 * i, h), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(len(owned), h, i), requires_grad=False)
+        self.hidden = h
+        self.method = ExpertsMethod()
+        self.method.create_weights(self, len(owned), 2 * i, h)
         # Checkpoints store each expert's gate/up/down separately: shard = (kind, expert).
         self.w13.shards = [(k, x) for x in owned for k in ("gate", "up")]  # type: ignore[attr-defined]
         self.w2.shards = [("down", x) for x in owned]  # type: ignore[attr-defined]
@@ -118,15 +140,17 @@ class RoutedExperts(nn.Module):
         dst.copy_(loaded)
 
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a whole stored stack: its experts, and with TP slicing its rows
-        of gate and of up (w13/q13/s13) or its columns of down (w2/q2)."""
+        """This rank's part of a whole stored stack: its experts, and with TP slicing its
+        intermediate slice where the method says the cut falls (gate and up rows, down
+        columns)."""
         full = full.narrow(0, self.first, len(self.owned))
-        fused = name[1:] == "13"
-        whole = full.shape[1] // 2 if fused else full.shape[-1]
-        if self.intermediate == whole or name == "s2":
-            return full  # not sliced (s2 is per output row of down: whole)
-        # [E, 2I(, H)] → [E, gate rows | up rows]; w2/q2 [E, H, I] → columns.
-        return self._tp_slice(full, 1 if fused else 2, halves=fused)
+        halves, dim = self.method.tp_layout(name)
+        if dim is None:
+            return full
+        whole = full.shape[dim] // 2 if halves else full.shape[dim]
+        if self.intermediate == whole:
+            return full  # not sliced
+        return self._tp_slice(full, dim, halves=halves)
 
     def _tp_slice(self, t: torch.Tensor, dim: int, halves: bool) -> torch.Tensor:
         """The one tensor-parallel rule of the experts: this rank's intermediate slice
@@ -137,37 +161,13 @@ class RoutedExperts(nn.Module):
         whole = t.shape[dim] // 2
         return torch.cat([t.narrow(dim, lo, i), t.narrow(dim, whole + lo, i)], dim=dim)
 
-    # -- int8 (artifacts, random-weight benchmarks): q13/s13, q2/s2 replace w13, w2 -------------
-    def use_int8_layout(self) -> None:
-        """Replace w13/w2 by int8 weights [E, out, in] with per-row scales [E, out]."""
-        e, two_i, h = self.w13.shape
-        for name, shape in (("13", (e, two_i, h)), ("2", (e, h, two_i // 2))):
-            self._parameters.pop(f"w{name}", None)
-            q = torch.empty(shape, dtype=torch.int8)
-            setattr(self, f"q{name}", nn.Parameter(q, requires_grad=False))
-            setattr(self, f"s{name}", nn.Parameter(torch.empty(shape[:2]), requires_grad=False))
-
-    @torch.no_grad()
-    def quantize_int8(self, dtype: torch.dtype) -> None:
-        tensors = {}
-        for name in ("13", "2"):
-            w = getattr(self, f"w{name}")
-            parts = [quantize_int8(w[e], dtype) for e in range(w.shape[0])]
-            tensors[name] = (
-                torch.stack([p["qweight"] for p in parts]),
-                torch.stack([p["scales"] for p in parts]),
-            )
-        self.use_int8_layout()
-        for name, (q, s) in tensors.items():
-            getattr(self, f"q{name}").data = q
-            getattr(self, f"s{name}").data = s
-
-    def _matmul(self, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
-        """x [n, in] through expert e's w13 or w2 (float or int8)."""
-        weight = self._parameters.get(f"w{which}")
-        if weight is not None:
-            return F.linear(x, weight[e])
-        return int8_mm(x.contiguous(), getattr(self, f"q{which}")[e], getattr(self, f"s{which}")[e])
+    def set_method(self, method: ExpertsMethod) -> None:
+        """Swap the weight format (artifact load, compile): drops the old tensors."""
+        e, two_i, h = len(self.owned), 2 * self.intermediate, self.hidden
+        for name in self.method.tensor_names:
+            self._parameters.pop(name, None)
+        self.method = method
+        method.create_weights(self, e, two_i, h)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; weights, ids: [T, k] → Σ_k weight · expert(x): [T, H].
@@ -191,8 +191,8 @@ class RoutedExperts(nn.Module):
             start += n
             if e not in self.owned:
                 continue
-            h = silu_and_mul(self._matmul(xs[seg], "13", e - self.first))  # [n, I]
-            out[seg] = self._matmul(h, "2", e - self.first)
+            h = silu_and_mul(self.method.matmul(self, xs[seg], "13", e - self.first))  # [n, I]
+            out[seg] = self.method.matmul(self, h, "2", e - self.first)
         out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dsinfer.layers.linear import Linear, LinearMethod
+from dsinfer.layers.moe import ExpertsMethod, RoutedExperts
 
 logger = logging.getLogger(__name__)
 SCHEMES = ("none", "bf16", "int8", "int4")
@@ -76,10 +77,58 @@ def int8_mm(
     return (flat @ qweight.to(flat.dtype).t()) * scales
 
 
+# -- the registry: (scheme, device type) → method ------------------------------------------------
+_LINEAR_METHODS: dict[tuple[str, str], type[LinearMethod]] = {}
+_EXPERTS_METHODS: dict[tuple[str, str], type[ExpertsMethod]] = {}
+
+
+def register_method(scheme: str, device_type: str):  # noqa: ANN201
+    """Class decorator: a LinearMethod or ExpertsMethod for `scheme` on `device_type`."""
+
+    def register(cls: type) -> type:
+        table = _EXPERTS_METHODS if issubclass(cls, ExpertsMethod) else _LINEAR_METHODS
+        table[(scheme, device_type)] = cls
+        return cls
+
+    return register
+
+
+def _lookup(table: dict[tuple[str, str], type], scheme: str, device_type: str) -> type:
+    cls = table.get((scheme, device_type))
+    if cls is None:
+        have = sorted(d for s, d in table if s == scheme)
+        raise ValueError(
+            f"no {scheme} weight method for {device_type} (there is one for "
+            f"{', '.join(have) or 'no device'}): these weights are laid out for "
+            f"{'/'.join(have) or 'another device'}'s kernels; serve them there (--device "
+            f"{have[0] if have else 'cpu'}) or load a float checkpoint for {device_type}"
+        )
+    return cls
+
+
+def quant_method(scheme: str, group_size: int, device_type: str = "cpu") -> LinearMethod | None:
+    """The registered method of a quantised scheme on a device; None for float formats."""
+    if scheme not in ("int8", "int4"):
+        return None
+    cls = _lookup(_LINEAR_METHODS, scheme, device_type)
+    return cls(group_size) if scheme == "int4" else cls()  # type: ignore[call-arg]
+
+
+def experts_method(scheme: str, device_type: str = "cpu") -> ExpertsMethod:
+    """Stacked routed experts are int8 under both int8 and int4 (one kernel call per expert)."""
+    return _lookup(_EXPERTS_METHODS, "int8", device_type)()
+
+
+@register_method("int8", "cpu")
 class Int8LinearMethod(LinearMethod):
-    """W ≈ qweight · scales[:, None]; qweight int8 [out, in], scales [out] in the compute dtype."""
+    """W ≈ qweight · scales[:, None]; qweight int8 [out, in], scales [out] in the compute dtype.
+    torch's packed CPU kernels (and ours) take this layout: CPU only."""
 
     scheme = "int8"
+    tensor_names = ("qweight", "scales")
+
+    def tp_dims(self, name: str) -> tuple[int, int | None]:
+        return (0, 1) if name == "qweight" else (0, None)  # scales: one per output row
 
     def __init__(self) -> None:
         self.fused = False  # the fused backend's kernels for wide layers (use_kernels)
@@ -97,6 +146,7 @@ class Int8LinearMethod(LinearMethod):
         return _finish(int8_mm(_rows(x), layer.qweight, layer.scales, self.fused), x, bias)
 
 
+@register_method("int4", "cpu")
 class Int4LinearMethod(LinearMethod):
     """Asymmetric 4-bit groups along `in`: W[o, g·G + j] ≈ (q − 8) · scale[g, o] + zero[g, o].
 
@@ -104,6 +154,15 @@ class Int4LinearMethod(LinearMethod):
     the layout is the kernel's, so an artifact is loaded by mmap without repacking."""
 
     scheme = "int4"
+    tensor_names = ("qweight", "scales_zeros")
+    uncuttable_hint = (
+        " (int4 groups cannot be cut): serve an int8 or float artifact with this --parallel, "
+        "or compile int4 with a smaller --group-size"
+    )
+
+    def tp_dims(self, name: str) -> tuple[int, int | None]:
+        # qweight [out, in / 2]; scales_zeros [groups, out, 2]: a row cut takes whole groups.
+        return (0, 1) if name == "qweight" else (1, 0)
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
@@ -175,12 +234,43 @@ def quantize_int4(
     return {"qweight": packed, "scales_zeros": scales_zeros.to(dtype)}
 
 
-def quant_method(scheme: str, group_size: int) -> LinearMethod | None:
-    if scheme == "int8":
-        return Int8LinearMethod()
-    if scheme == "int4":
-        return Int4LinearMethod(group_size)
-    return None
+@register_method("int8", "cpu")
+class Int8ExpertsMethod(ExpertsMethod):
+    """Every expert's w13 / w2 as int8 [E, out, in] with per-row scales [E, out]."""
+
+    tensor_names = ("q13", "s13", "q2", "s2")
+
+    def create_weights(self, experts: nn.Module, e: int, two_i: int, h: int) -> None:
+        for which, shape in (("13", (e, two_i, h)), ("2", (e, h, two_i // 2))):
+            q = torch.empty(shape, dtype=torch.int8)
+            setattr(experts, f"q{which}", nn.Parameter(q, requires_grad=False))
+            scales = nn.Parameter(torch.empty(shape[:2]), requires_grad=False)
+            setattr(experts, f"s{which}", scales)
+
+    def tp_layout(self, name: str) -> tuple[bool, int | None]:
+        if name == "s2":
+            return False, None  # per output row of down: whole
+        return (True, 1) if name.endswith("13") else (False, 2)
+
+    def matmul(self, experts: nn.Module, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
+        q, scales = getattr(experts, f"q{which}")[e], getattr(experts, f"s{which}")[e]
+        return int8_mm(x.contiguous(), q, scales)
+
+    @torch.no_grad()
+    def quantize(self, experts: RoutedExperts, dtype: torch.dtype) -> None:
+        """Float experts → this layout, in place."""
+        tensors = {}
+        for which in ("13", "2"):
+            w = getattr(experts, f"w{which}")
+            parts = [quantize_int8(w[e], dtype) for e in range(w.shape[0])]
+            tensors[which] = (
+                torch.stack([p["qweight"] for p in parts]),
+                torch.stack([p["scales"] for p in parts]),
+            )
+        experts.set_method(self)
+        for which, (q, scales) in tensors.items():
+            getattr(experts, f"q{which}").data = q
+            getattr(experts, f"s{which}").data = scales
 
 
 def quantizable_linears(model: nn.Module) -> list[tuple[str, Linear]]:
@@ -202,13 +292,16 @@ def layer_format(scheme: str, layer: Linear, group_size: int) -> tuple[str, str]
     return scheme, ""
 
 
-def apply_format(layer: Linear, fmt: str, group_size: int, dtype: torch.dtype) -> None:
+def apply_format(
+    layer: Linear, fmt: str, group_size: int, dtype: torch.dtype, device_type: str = "cpu"
+) -> None:
     """Quantise one float layer in place to `fmt` (int8 | int4)."""
+    method = quant_method(fmt, group_size, device_type)
     if fmt == "int8":
         tensors = quantize_int8(layer.weight, dtype)
     else:
         tensors = quantize_int4(layer.weight, group_size, dtype)
-    layer.set_method(quant_method(fmt, group_size))  # type: ignore[arg-type]
+    layer.set_method(method)  # type: ignore[arg-type]
     for key, value in tensors.items():
         getattr(layer, key).data = value
 
@@ -230,7 +323,7 @@ def plan_formats(model: nn.Module, scheme: str, group_size: int) -> dict[str, st
 
 @torch.no_grad()
 def quantize_model(
-    model: nn.Module, scheme: str, group_size: int, dtype: torch.dtype
+    model: nn.Module, scheme: str, group_size: int, dtype: torch.dtype, device_type: str = "cpu"
 ) -> dict[str, str]:
     """Quantise every eligible Linear and expert stack in place; returns plan_formats' dict
     (the artifact records it so the runtime rebuilds the same layout)."""
@@ -238,26 +331,31 @@ def quantize_model(
     for name, layer in quantizable_linears(model):
         fmt = exceptions.get(name, scheme)
         if fmt != "float":
-            apply_format(layer, fmt, group_size, dtype)
+            apply_format(layer, fmt, group_size, dtype, device_type)
     for _name, experts in routed_experts(model):
-        experts.quantize_int8(dtype)
+        experts_method(scheme, device_type).quantize(experts, dtype)  # type: ignore[attr-defined]
     return exceptions
 
 
 def prepare_quantized(
-    model: nn.Module, scheme: str, group_size: int, exceptions: dict[str, str]
+    model: nn.Module,
+    scheme: str,
+    group_size: int,
+    exceptions: dict[str, str],
+    device_type: str = "cpu",
 ) -> None:
-    """Give the model an artifact's parameter layout before its tensors are assigned."""
+    """Give the model an artifact's parameter layout before its tensors are assigned;
+    ValueError when no method of the scheme is registered for the device."""
     if scheme not in ("int8", "int4"):
         return
     for name, layer in quantizable_linears(model):
-        method = quant_method(exceptions.get(name, scheme), group_size)
+        method = quant_method(exceptions.get(name, scheme), group_size, device_type)
         if method is not None:
             layer.set_method(method)
     for _name, experts in routed_experts(model):
-        experts.use_int8_layout()
+        experts.set_method(experts_method(scheme, device_type))
 
 
-def routed_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def routed_experts(model: nn.Module) -> list[tuple[str, RoutedExperts]]:
     """Stacked MoE experts (they quantise as a whole: int8 per expert and output row)."""
-    return [(n, m) for n, m in model.named_modules() if hasattr(m, "use_int8_layout")]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]

@@ -298,7 +298,7 @@ def load_model(
             previous = torch.get_default_dtype()
             torch.set_default_dtype(tdtype)  # scales take the activations' dtype
             try:
-                prepare_quantized(net, random_quant, 32, exceptions)
+                prepare_quantized(net, random_quant, 32, exceptions, torch.device(device).type)
             finally:
                 torch.set_default_dtype(previous)
         fill_random_weights(net, seed)
@@ -314,7 +314,7 @@ def load_model(
     else:
         load_weights(net, iter_safetensors(path))
     if scheme != "none" and not random_weights:
-        quantize_model(net, scheme, 32, tdtype)
+        quantize_model(net, scheme, 32, tdtype, torch.device(device).type)
         logger.info("weights quantised to %s at load (groups of 32)", scheme)
         release_freed_memory()  # the float weights just freed: give their pages back
     net.eval()

@@ -77,3 +77,28 @@ def test_int8_shapes_the_packed_kernel_gets_wrong_take_the_dense_path(in_feature
     y = _quantised(w, "int8")(x.bfloat16()).float()
     ref = x @ w.t()
     assert ((y - ref).norm() / ref.norm()).item() < 0.015
+
+
+def test_methods_are_registered_by_scheme_and_device() -> None:
+    from dsinfer.layers.quant import Int8ExpertsMethod, experts_method, quant_method
+
+    assert isinstance(quant_method("int8", 0, "cpu"), Int8LinearMethod)
+    int4 = quant_method("int4", 64, "cpu")
+    assert isinstance(int4, Int4LinearMethod) and int4.group_size == 64
+    assert quant_method("none", 32, "cuda") is None  # float formats need no method
+    assert isinstance(experts_method("int4", "cpu"), Int8ExpertsMethod)  # experts stay int8
+    for scheme in ("int8", "int4"):
+        with pytest.raises(ValueError, match=f"no {scheme} weight method for cuda.*cpu"):
+            quant_method(scheme, 32, "cuda")
+
+
+def test_a_method_owns_its_tensors_and_their_tensor_parallel_cut() -> None:
+    """set_method drops exactly the old method's tensors; the cut dims come from the method."""
+    lin = Linear(64, 32)
+    assert set(lin._parameters) == {"weight"}
+    lin.set_method(Int4LinearMethod(32))
+    assert set(lin._parameters) == {"qweight", "scales_zeros"}
+    lin.set_method(Int8LinearMethod())
+    assert set(lin._parameters) == {"qweight", "scales"}
+    assert Int8LinearMethod().tp_dims("scales") == (0, None)  # one per output row: whole
+    assert Int4LinearMethod(32).tp_dims("scales_zeros") == (1, 0)  # [groups, out, 2]
