@@ -64,13 +64,17 @@ def test_refuses_when_nothing_fits(capsys):
     assert out["chosen"] and any(not p["fits"] for p in out["plans"])
 
 
-def test_profiles_and_probe(tmp_path, capsys):
+def test_builtin_profiles():
     assert {"h200", "a100", "ascend-910b"} <= set(builtin_names())
     for name in builtin_names():
         p = load_profile(name)
         assert p.memory_bytes > 0 and p.flops["bfloat16"] > 0 and p.sources
     with pytest.raises(ValueError, match="unknown device profile"):
         load_profile("tpu-v9")
+
+
+@pytest.mark.slow  # the probe measures for ~10 s (memory, GEMMs, a link between processes)
+def test_probe_then_plan_for_this_machine(tmp_path, capsys):
     out = tmp_path / "cpu.json"
     assert main(["probe", "-o", str(out)]) == 0
     probed = load_profile(str(out))

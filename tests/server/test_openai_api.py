@@ -127,7 +127,7 @@ def test_sixteen_concurrent_streams(client, served, smol_llm):
                 }
                 for p in prompts
             ],
-            SamplingParams(temperature=0, max_tokens=24),
+            SamplingParams(temperature=0, max_tokens=12),
         )
     ]
     got: dict[int, str] = {}
@@ -137,7 +137,7 @@ def test_sixteen_concurrent_streams(client, served, smol_llm):
             model="smollm2",
             messages=[{"role": "user", "content": prompts[i]}],
             temperature=0,
-            max_tokens=24,
+            max_tokens=12,
             stream=True,
         )
         got[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
