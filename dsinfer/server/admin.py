@@ -14,9 +14,9 @@ answers 400 and changes nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
 from dsinfer.registry.store import ModelRegistry, RegistryError
@@ -38,13 +38,29 @@ class PromoteRequest(BaseModel):
     version: str
 
 
+def json_body(schema: type[BaseModel]) -> Any:
+    """A route dependency: the request's JSON body parsed into `schema` (400 naming the field),
+    under the server's body limits."""
+
+    async def parsed(request: Request) -> Any:
+        settings = request.app.state.settings
+        raw = await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
+        return parse(schema, raw)
+
+    return Depends(parsed)
+
+
+# Module level, so that FastAPI can resolve the annotations (this module defers them).
+LoadBody = Annotated[LoadRequest, json_body(LoadRequest)]
+WeightsBody = Annotated[WeightsRequest, json_body(WeightsRequest)]
+PromoteBody = Annotated[PromoteRequest, json_body(PromoteRequest)]
+
+
 def admin_router(
     registry: ModelRegistry,
     settings: Any,
     build_version: Callable[[str, str], Any] | None,
 ) -> APIRouter:
-    router = APIRouter(prefix="/admin")
-
     def authorize(request: Request) -> None:
         token = bearer_token(request)
         if token is None:
@@ -59,10 +75,8 @@ def admin_router(
             why = "the admin API is off (start with --admin-api-key)" if key is None else ""
             raise APIError(403, why or "this key may not use the admin API", "permission_error")
 
-    async def body(request: Request, schema: type[BaseModel]) -> Any:
-        return parse(
-            schema, await read_json(request, settings.max_body_bytes, settings.body_timeout_s)
-        )
+    # Every admin route needs the admin key: checked once, before the body is read.
+    router = APIRouter(prefix="/admin", dependencies=[Depends(authorize)])
 
     def registry_call(fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -71,14 +85,11 @@ def admin_router(
             raise APIError(e.status, str(e)) from None
 
     @router.get("/models")
-    async def _list(request: Request) -> dict:
-        authorize(request)
+    async def _list() -> dict:
         return {"models": registry.describe()}
 
     @router.post("/models/{name}/versions", status_code=201)
-    async def _load(name: str, request: Request) -> dict:
-        authorize(request)
-        req = await body(request, LoadRequest)
+    async def _load(name: str, req: LoadBody) -> dict:
         if build_version is None:
             raise APIError(400, "this server cannot load versions (no engine settings)")
         try:
@@ -93,25 +104,19 @@ def admin_router(
         return registry.entry(name).weights
 
     @router.put("/models/{name}/weights")
-    async def _weights(name: str, request: Request) -> dict:
-        authorize(request)
-        req = await body(request, WeightsRequest)
+    async def _weights(name: str, req: WeightsBody) -> dict:
         return {"weights": registry_call(registry.set_weights, name, req.weights)}
 
     @router.post("/models/{name}/promote")
-    async def _promote(name: str, request: Request) -> dict:
-        authorize(request)
-        req = await body(request, PromoteRequest)
+    async def _promote(name: str, req: PromoteBody) -> dict:
         return {"weights": registry_call(registry.promote, name, req.version)}
 
     @router.post("/models/{name}/rollback")
-    async def _rollback(name: str, request: Request) -> dict:
-        authorize(request)
+    async def _rollback(name: str) -> dict:
         return {"weights": registry_call(registry.rollback, name)}
 
     @router.delete("/models/{name}/versions/{version}")
-    async def _unload(name: str, version: str, request: Request) -> dict:
-        authorize(request)
+    async def _unload(name: str, version: str) -> dict:
         try:
             gone = await unload_version(registry, name, version)
         except RegistryError as e:

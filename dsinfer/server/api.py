@@ -7,7 +7,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -76,6 +76,7 @@ def build_app(
     registry = as_registry(models)
     metrics = metrics or ServerMetrics(registry.served)
     app.state.registry = registry
+    app.state.settings = settings  # read by route dependencies (admin bodies)
     app.state.metrics = metrics
     app.state.log_prompts = settings.log_prompts
     if settings.stats_interval_s > 0:
@@ -166,10 +167,12 @@ def build_app(
                 headers={"Retry-After": "1"},
             )
 
+    # The user key, checked before a route reads its body (the admin routes have their own).
+    keyed = [Depends(authorize)]
+
     async def handle(
         request: Request, schema: type[BaseModel], run: Callable[..., Awaitable[Any]]
     ) -> Any:
-        authorize(request)
         body = await body_of(request, schema)
         served = pick(request, body.model, body.user)
         await served.prepare_constraint(body)  # before admit: no await between it and submit
@@ -181,22 +184,26 @@ def build_app(
         metrics.requests.labels(route_of(request), "200").inc()  # streamed: their 200 is sent
         return result
 
-    @app.post("/v1/chat/completions", openapi_extra=openapi.body_of(ChatCompletionRequest))
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=keyed,
+        openapi_extra=openapi.body_of(ChatCompletionRequest),
+    )
     async def _chat(request: Request) -> Any:
         return await handle(request, ChatCompletionRequest, chat_completion)
 
-    @app.post("/v1/completions", openapi_extra=openapi.body_of(CompletionRequest))
+    @app.post(
+        "/v1/completions", dependencies=keyed, openapi_extra=openapi.body_of(CompletionRequest)
+    )
     async def _completions(request: Request) -> Any:
         return await handle(request, CompletionRequest, completion)
 
-    @app.get("/v1/models")
-    async def _models(request: Request) -> dict:
-        authorize(request)
+    @app.get("/v1/models", dependencies=keyed)
+    async def _models() -> dict:
         return {"object": "list", "data": model_cards()}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def _model(model_id: str, request: Request) -> dict:
-        authorize(request)
+    @app.get("/v1/models/{model_id:path}", dependencies=keyed)
+    async def _model(model_id: str) -> dict:
         for card in model_cards():
             if card["id"] == model_id:
                 return card
@@ -255,9 +262,8 @@ def build_app(
     async def _metrics() -> Response:
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    @app.post("/tokenize", openapi_extra=openapi.body_of(TokenizeRequest))
+    @app.post("/tokenize", dependencies=keyed, openapi_extra=openapi.body_of(TokenizeRequest))
     async def _tokenize(request: Request) -> dict:
-        authorize(request)
         body = await body_of(request, TokenizeRequest)
         served = pick(request, body.model)
         if body.messages is not None:
@@ -272,9 +278,8 @@ def build_app(
             raise APIError(400, "send 'prompt' or 'messages'", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
 
-    @app.post("/detokenize", openapi_extra=openapi.body_of(DetokenizeRequest))
+    @app.post("/detokenize", dependencies=keyed, openapi_extra=openapi.body_of(DetokenizeRequest))
     async def _detokenize(request: Request) -> dict:
-        authorize(request)
         body = await body_of(request, DetokenizeRequest)
         served = pick(request, body.model)
         try:
