@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 
@@ -54,7 +55,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dsinfer.server.launch import parse_model_spec, serve
+    from dsinfer.server.api import ServerSettings
+    from dsinfer.server.launch import ServeOptions, parse_model_spec, serve
 
     if args.model_tag:  # `dsinfer serve MODEL`, as `vllm serve MODEL`
         args.model = [args.model_tag, *args.model]
@@ -68,7 +70,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--nnodes > 1 serves one --model (its ranks span the nodes)")
     if args.node_rank > 0:
         return run_worker_node(args, parse_model_spec((args.model or [DEFAULT_MODEL])[0])[1])
-    return serve(args)
+    settings = ServerSettings(
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        max_queued_requests=args.max_queued_requests,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+        public_docs=args.public_docs,
+        lenient_fields=args.lenient_fields,
+        log_prompts=args.log_prompts,
+        stats_interval_s=args.stats_interval,
+    )
+    opts = ServeOptions(args.host, args.port, args.model, settings, args.shutdown_timeout)
+    return serve(opts, functools.partial(engine_config, args))
 
 
 def version_text() -> str:

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+# The weight-only quantisation schemes (their methods are registered in layers/quant.py).
+QUANTISED_SCHEMES = ("int8", "int4")
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,

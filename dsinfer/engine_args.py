@@ -14,11 +14,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsinfer.config import CacheConfig, EngineConfig, SchedulerConfig, parse_memory
+from dsinfer.config import (
+    QUANTISED_SCHEMES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    parse_memory,
+)
 from dsinfer.distributed.parallel_state import check_grid
 
 DEFAULT_MODEL = "smollm2"  # the embedded model (models/loader.EMBEDDED_MODELS)
-QUANT_FORMATS = ("int8", "int4")
 
 
 def _opt(help_: str, flag: str | None = None, **argparse_kwargs: Any) -> dict[str, Any]:
@@ -57,7 +62,7 @@ class EngineArgs:
         metadata=_opt(
             "weights quantised at load; auto: a Q4_0/Q4_1/Q8_0 GGUF keeps int4/int8 (bf16 "
             "activations) unless --dtype float32",
-            choices=("auto", "none", *QUANT_FORMATS),
+            choices=("auto", "none", *QUANTISED_SCHEMES),
         ),
     )
     kv_cache_memory: str | int = field(
@@ -104,7 +109,7 @@ class EngineArgs:
     random_quant: str = field(
         default="none",
         metadata=_opt("with --random-weights: quantised layouts (configs too large for float "
-                      "weights)", choices=("none", *QUANT_FORMATS)),
+                      "weights)", choices=("none", *QUANTISED_SCHEMES)),
     )  # fmt: skip
     trusted_keys: tuple[str, ...] | list[str] = field(
         default=(),

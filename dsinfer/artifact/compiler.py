@@ -23,7 +23,7 @@ from dsinfer.artifact.manifest import Manifest, config_to_dict, file_entry, writ
 from dsinfer.artifact.reader import TOKENIZER_DIR
 from dsinfer.artifact.signing import sign_dir
 from dsinfer.artifact.weights_io import save_weights
-from dsinfer.config import parse_dtype
+from dsinfer.config import QUANTISED_SCHEMES, parse_dtype
 from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, quantize_model
 from dsinfer.models.loader import LoadedModel, load_model, resolve_model_path
 from dsinfer.progress import progress
@@ -79,7 +79,7 @@ def _write_contents(
     tmp: Path, src: str, loaded: LoadedModel, opts: CompileOptions, dtype: torch.dtype
 ) -> Manifest:
     exceptions: dict[str, str] = {}
-    if opts.quant in ("int8", "int4"):
+    if opts.quant in QUANTISED_SCHEMES:
         # Quantised from the fp32 load; the scales and every float tensor left take `dtype`.
         exceptions = quantize_model(loaded.model, opts.quant, opts.group_size, dtype)
         for p in loaded.model.parameters():
@@ -158,7 +158,7 @@ def compile_artifact(src: str, out: Path, opts: CompileOptions) -> Manifest:
         # GGUF's 4/5-bit types quantise in groups of 32; wider groups cannot reproduce their
         # grid (SmolLM2 Q4_1 → int4/64: perplexity +48%, measured).
         logger.warning("the GGUF source is quantised in groups of 32; --group-size 32 keeps it")
-    quantised = opts.quant in ("int8", "int4")
+    quantised = opts.quant in QUANTISED_SCHEMES
     with progress(f"compiling {src}", 4) as stage:  # load, quantise + write, sign, sync
         loaded = load_model(src, torch.float32 if quantised else float_dtype(opts))
         stage(1)

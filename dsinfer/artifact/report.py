@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from dsinfer.artifact.compiler import CompileOptions, compile_artifact
 from dsinfer.artifact.reader import load_artifact
 from dsinfer.artifact.verify import TrustPolicy
-from dsinfer.config import CacheConfig, ModelConfig, parse_memory
+from dsinfer.config import QUANTISED_SCHEMES, CacheConfig, ModelConfig, parse_memory
 from dsinfer.layers.linear import Linear, LinearMethod
 from dsinfer.layers.quant import layer_format, quantizable_linears, routed_experts
 from dsinfer.models.loader import LoadedModel, load_model
@@ -123,13 +123,13 @@ def weight_bytes(model: nn.Module, group_size: int) -> dict[str, int]:
         "float": lambda o, i: 2 * o * i,
     }
     for layer in linears:
-        for scheme in ("int8", "int4"):
+        for scheme in QUANTISED_SCHEMES:
             fmt, _why = layer_format(scheme, layer, group_size)
             totals[scheme] += size[fmt](layer.out_features, layer.in_features)
     for _name, experts in routed_experts(model):  # stacked [E, out, in]: int8 in both schemes
         for w in (experts.w13, experts.w2):
             e, out_f, in_f = w.shape
-            for scheme in ("int8", "int4"):
+            for scheme in QUANTISED_SCHEMES:
                 totals[scheme] += e * size["int8"](out_f, in_f) - 2 * w.numel()
     return totals
 

@@ -18,6 +18,7 @@ import logging
 import torch
 from torch import nn
 
+from dsinfer.config import QUANTISED_SCHEMES
 from dsinfer.layers.linear import Linear, LinearMethod
 from dsinfer.layers.moe import ExpertsMethod, RoutedExperts
 
@@ -108,7 +109,7 @@ def _lookup(table: dict[tuple[str, str], type], scheme: str, device_type: str) -
 
 def quant_method(scheme: str, group_size: int, device_type: str = "cpu") -> LinearMethod | None:
     """The registered method of a quantised scheme on a device; None for float formats."""
-    if scheme not in ("int8", "int4"):
+    if scheme not in QUANTISED_SCHEMES:
         return None
     cls = _lookup(_LINEAR_METHODS, scheme, device_type)
     return cls(group_size) if scheme == "int4" else cls()  # type: ignore[call-arg]
@@ -346,7 +347,7 @@ def prepare_quantized(
 ) -> None:
     """Give the model an artifact's parameter layout before its tensors are assigned;
     ValueError when no method of the scheme is registered for the device."""
-    if scheme not in ("int8", "int4"):
+    if scheme not in QUANTISED_SCHEMES:
         return
     for name, layer in quantizable_linears(model):
         method = quant_method(exceptions.get(name, scheme), group_size, device_type)

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from dsinfer.config import ModelConfig, parse_dtype
+from dsinfer.config import QUANTISED_SCHEMES, ModelConfig, parse_dtype
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import default_weight_loader, fused_target
 from dsinfer.layers.quant import plan_formats, prepare_quantized, quantize_model
@@ -293,7 +293,7 @@ def load_model(
     tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)
     net = build_model(cfg, tdtype, device)  # parameters in the target dtype: no fp32 copy
     if random_weights:
-        if random_quant in ("int8", "int4"):
+        if random_quant in QUANTISED_SCHEMES:
             exceptions = plan_formats(net, random_quant, 32)
             previous = torch.get_default_dtype()
             torch.set_default_dtype(tdtype)  # scales take the activations' dtype

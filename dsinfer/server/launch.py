@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
 
+from dsinfer.config import EngineConfig
 from dsinfer.engine.llm_engine import LLMEngine
-from dsinfer.engine_args import DEFAULT_MODEL, engine_config
+from dsinfer.engine_args import DEFAULT_MODEL
 from dsinfer.models.loader import EMBEDDED_MODELS
 from dsinfer.registry.store import ModelRegistry, Version
 from dsinfer.server.api import ServerSettings, build_app
@@ -23,6 +24,21 @@ from dsinfer.server.reasoning import supports_reasoning
 from dsinfer.server.serving import ServedModel
 
 logger = logging.getLogger("dsinfer.serve")
+
+# A model's path → its engine config (the server's engine flags and trust policy applied);
+# the command line builds it, so the server never sees argparse.
+ConfigFor = Callable[[str], EngineConfig]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `dsinfer serve` needs besides the engine configs."""
+
+    host: str
+    port: int
+    models: Sequence[str]  # NAME=PATH or PATH; a NAME given twice loads two versions
+    settings: ServerSettings
+    shutdown_timeout: float
 
 
 def parse_model_spec(spec: str) -> tuple[str, str]:
@@ -37,12 +53,12 @@ def parse_model_spec(spec: str) -> tuple[str, str]:
     return Path(spec).stem, spec
 
 
-def version_builder(args: argparse.Namespace) -> Callable[[str, str], ServedModel]:
+def version_builder(config_for: ConfigFor) -> Callable[[str, str], ServedModel]:
     """build(name, path) → a loaded ServedModel named NAME@VERSION (NAME for a checkpoint),
     with this server's engine flags and trust policy."""
 
     def build(name: str, path: str) -> ServedModel:
-        config = engine_config(args, path)
+        config = config_for(path)
         runner = AsyncEngine(lambda: LLMEngine(config))  # built on its own thread
         engine = runner.engine
         return ServedModel(
@@ -58,12 +74,12 @@ def version_builder(args: argparse.Namespace) -> Callable[[str, str], ServedMode
     return build
 
 
-def load_served_models(args: argparse.Namespace) -> ModelRegistry:
+def load_served_models(specs: Sequence[str], config_for: ConfigFor) -> ModelRegistry:
     """Every --model: a name may be given several times, once per version (the first one given
     takes all traffic; the others load at weight 0 for the admin API to shift)."""
-    build = version_builder(args)
+    build = version_builder(config_for)
     registry = ModelRegistry()
-    for name, path in [parse_model_spec(s) for s in (args.model or [DEFAULT_MODEL])]:
+    for name, path in [parse_model_spec(s) for s in (specs or [DEFAULT_MODEL])]:
         served = build(name, path)
         registry.add(name, Version.of(served, path))
     return registry
@@ -98,29 +114,18 @@ def _exit_after_shutdown() -> None:
     os._exit(0)
 
 
-def serve(args: argparse.Namespace) -> int:
-    sock = bind_port(args.host, args.port)
-    print(f"dsinfer: {args.host}:{args.port} is ours; loading the model(s)…", flush=True)
-    registry = load_served_models(args)
-    settings = ServerSettings(
-        api_key=args.api_key,
-        admin_api_key=args.admin_api_key,
-        max_queued_requests=args.max_queued_requests,
-        max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout,
-        public_docs=args.public_docs,
-        lenient_fields=args.lenient_fields,
-        log_prompts=args.log_prompts,
-        stats_interval_s=args.stats_interval,
-    )
-    app = build_app(registry, settings, build_version=version_builder(args))
+def serve(opts: ServeOptions, config_for: ConfigFor) -> int:
+    sock = bind_port(opts.host, opts.port)
+    print(f"dsinfer: {opts.host}:{opts.port} is ours; loading the model(s)…", flush=True)
+    registry = load_served_models(opts.models, config_for)
+    app = build_app(registry, opts.settings, build_version=version_builder(config_for))
 
     @app.on_event("shutdown")
     def _stop_engines() -> None:
         for m in registry.served():
             m.engine.shutdown()
 
-    url = f"http://{args.host}:{args.port}"
+    url = f"http://{opts.host}:{opts.port}"
     first = next(iter(registry.entries))
     names = [m.name for m in registry.served()]
     print(
@@ -134,7 +139,7 @@ def serve(args: argparse.Namespace) -> int:
     # that was installed before it: make that one a clean exit.
     signal.signal(signal.SIGTERM, lambda *_: _exit_after_shutdown())
     config = uvicorn.Config(
-        app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout
+        app, log_level="warning", timeout_graceful_shutdown=opts.shutdown_timeout
     )
     uvicorn.Server(config).run(sockets=[sock])
     return 0

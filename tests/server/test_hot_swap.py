@@ -4,6 +4,7 @@ sticky users, pinned versions; admin auth; a tampered or untrusted load changes 
 
 from __future__ import annotations
 
+import functools
 import shutil
 import threading
 from collections import Counter
@@ -16,6 +17,7 @@ from dsinfer.artifact.compiler import CompileOptions, compile_artifact
 from dsinfer.artifact.manifest import read_manifest
 from dsinfer.artifact.signing import keygen
 from dsinfer.cli import build_parser
+from dsinfer.engine_args import engine_config
 from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.launch import load_served_models, version_builder
 from tests.helpers import tiny_llama_dir
@@ -53,9 +55,10 @@ def server(versions):
         ["serve", "--model", f"tiny={arts[0]}", "--trusted-key", str(pub)]
         + ["--num-kv-blocks", "256", "--block-size", "4", "--max-num-seqs", "16"]
     )
-    registry = load_served_models(args)
+    config_for = functools.partial(engine_config, args)
+    registry = load_served_models(args.model, config_for)
     settings = ServerSettings(api_key=USER, admin_api_key=ADMIN)
-    app = build_app(registry, settings, build_version=version_builder(args))
+    app = build_app(registry, settings, build_version=version_builder(config_for))
     with running_server(app) as url:
         yield url, registry
     for m in registry.served():
