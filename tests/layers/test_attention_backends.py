@@ -18,6 +18,14 @@ from dsinfer.layers.attention.torch_paged import TorchPagedAttention
 BS = 4  # block size
 
 
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    """The fused backend's C++ kernels, built and loaded (as the engine does when it picks it)."""
+    from dsinfer.layers.backend import resolve_backend
+
+    assert resolve_backend("fused", torch.device("cpu")).name == "fused"
+
+
 def _tables(lengths: list[int], num_blocks: int, g: torch.Generator) -> list[list[int]]:
     """Each sequence's blocks, drawn without replacement from a shuffled pool."""
     free = torch.randperm(num_blocks, generator=g).tolist()
@@ -119,17 +127,35 @@ def _mla_dense(q_nope, q_pe, latents, kv_b, h, nope, v_dim, lora, scale):  # noq
     return _dense(torch.cat([q_nope, q_pe], dim=-1), k, v, scale)
 
 
-@pytest.mark.parametrize("absorbed", [True, False])
-def test_mla_decode_and_prefill_equal_dense_attention(absorbed: bool) -> None:
-    """Two decode rows (absorbed or expanded) and a fresh prefill of 3, in one step."""
+# (heads, lora, rope): odd sizes take the fused kernel's plain loops; 4 heads with lora 64 and
+# rope 16 take its register-blocked AVX-512 loops (heads in fours, latent in 64s).
+MLA_SHAPES = {"plain": (3, 10, 4), "blocked": (4, 64, 16)}
+
+
+@pytest.mark.parametrize("shape", sorted(MLA_SHAPES))
+@pytest.mark.parametrize(
+    ("backend", "absorbed", "dtype"),
+    [
+        ("reference", True, torch.float32),
+        ("reference", False, torch.float32),
+        ("fused", True, torch.float32),  # the C++ latent-space decode kernel
+        ("fused", True, torch.bfloat16),
+    ],
+)
+def test_mla_decode_and_prefill_equal_dense_attention(
+    backend: str, absorbed: bool, dtype: torch.dtype, shape: str
+) -> None:
+    """Two decode rows (absorbed or expanded) and a fresh prefill of 3, in one step; the latent
+    cache in `dtype` (the dense oracle reads the same rounded latents). Context lengths 5 and 9
+    leave a remainder after blocks of four tokens."""
     g = torch.Generator().manual_seed(2)
-    h, nope, rope, v_dim, lora = 3, 8, 4, 6, 10
+    (h, lora, rope), nope, v_dim = MLA_SHAPES[shape], 8, 6
     scale = (nope + rope) ** -0.5
     kv_b = torch.randn(h * (nope + v_dim), lora, generator=g) * 0.3
     lengths = [5, 9]
     tables = _tables([*lengths, 3], 12, g)
-    cache = torch.zeros(12, BS, lora + rope)
-    latents = [torch.randn(n, lora + rope, generator=g) for n in [*lengths, 3]]
+    cache = torch.zeros(12, BS, lora + rope, dtype=dtype)
+    latents = [torch.randn(n, lora + rope, generator=g).to(dtype).float() for n in [*lengths, 3]]
     for t, lat in zip(tables[:2], latents[:2], strict=True):
         for i in range(lat.shape[0] - 1):
             cache[t[i // BS], i % BS] = lat[i]
@@ -145,7 +171,7 @@ def test_mla_decode_and_prefill_equal_dense_attention(absorbed: bool) -> None:
     )
     q_nope, q_pe = torch.randn(5, h, nope, generator=g), torch.randn(5, h, rope, generator=g)
     step_latents = torch.cat([latents[0][-1:], latents[1][-1:], latents[2]])
-    attn = MLAPagedAttention(h, nope, rope, v_dim, lora, scale)
+    attn = attention_class(backend, "cpu", "mla")(h, nope, rope, v_dim, lora, scale)
     attn.absorb_decode = absorbed
     got = attn.forward(q_nope, q_pe, step_latents, cache, kv_b, meta)
     rows = [slice(0, 1), slice(1, 2), slice(2, 5)]
@@ -155,12 +181,13 @@ def test_mla_decode_and_prefill_equal_dense_attention(absorbed: bool) -> None:
 
 
 def test_registry_gives_the_fused_cpu_mha_and_the_reference_elsewhere() -> None:
-    from dsinfer.layers.attention.fused_cpu import FusedCpuPagedAttention
+    from dsinfer.layers.attention.fused_cpu import FusedCpuMLAAttention, FusedCpuPagedAttention
 
     assert attention_class("fused", "cpu", "mha") is FusedCpuPagedAttention
     assert attention_class("reference", "cpu", "mha") is TorchPagedAttention
     assert attention_class("fused", "npu", "mha") is TorchPagedAttention  # none registered
-    assert attention_class("fused", "cpu", "mla") is MLAPagedAttention
+    assert attention_class("fused", "cpu", "mla") is FusedCpuMLAAttention
+    assert attention_class("fused", "cuda", "mla") is MLAPagedAttention
     shape = dict(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.1)
     ref = make_attention("mha", **shape)
     assert isinstance(ref, TorchPagedAttention)

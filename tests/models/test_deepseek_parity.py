@@ -61,6 +61,10 @@ def test_absorbed_decode_equals_naive(tiny):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     absorbed = llm.generate(prompt, params)[0].outputs[0]
     layers = llm.engine.executor.runner.model.model.layers
+    # The fused backend's absorbed decode is its C++ latent-space kernel; naive stays torch.
+    backend = llm.engine.config.backend
+    want = "FusedCpuMLAAttention" if backend == "fused" else "MLAPagedAttention"
+    assert {type(layer.self_attn.attn).__name__ for layer in layers} == {want}
     for layer in layers:
         layer.self_attn.attn.absorb_decode = False
     try:

@@ -1,6 +1,6 @@
 """Attention over the paged KV cache: metadata shared by all layers, and backends.
 
-Importing this package registers every backend (reference MHA and MLA, fused CPU MHA)."""
+Importing this package registers every backend (reference MHA and MLA, fused CPU MHA and MLA)."""
 
 from dsinfer.layers.attention.backend import (
     AttentionBackend,
@@ -8,7 +8,7 @@ from dsinfer.layers.attention.backend import (
     MHABackend,
     PrefillSeq,
 )
-from dsinfer.layers.attention.fused_cpu import FusedCpuPagedAttention
+from dsinfer.layers.attention.fused_cpu import FusedCpuMLAAttention, FusedCpuPagedAttention
 from dsinfer.layers.attention.mla import MLAPagedAttention
 from dsinfer.layers.attention.registry import attention_class, make_attention
 from dsinfer.layers.attention.torch_paged import TorchPagedAttention
@@ -16,6 +16,7 @@ from dsinfer.layers.attention.torch_paged import TorchPagedAttention
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "FusedCpuMLAAttention",
     "FusedCpuPagedAttention",
     "MHABackend",
     "MLAPagedAttention",

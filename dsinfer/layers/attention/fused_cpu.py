@@ -1,9 +1,15 @@
 """Fused paged attention on CPU: the decode rows of a step in one C++ kernel per layer.
 
-For each decode row the kernel rotates q and k (fp32, from the whole rotary table), writes k and
-v into the paged cache and attends over the sequence's cached tokens through its block table:
-no gathered copies, no masks, no dtype round trips. Prefill chunks (many queries per sequence)
-run on the reference backend, whose SDPA path is already one kernel per sequence.
+MHA: for each decode row the kernel rotates q and k (fp32, from the whole rotary table), writes
+k and v into the paged cache and attends over the sequence's cached tokens through its block
+table: no gathered copies, no masks, no dtype round trips.
+
+MLA: the absorbed decode attends in latent space straight from the paged latent cache (one
+kernel for the batch's decode rows); the two small per-head projections around it (into latent
+space through W_UK, back through W_UV) stay batched GEMMs.
+
+Prefill chunks (many queries per sequence) run on the reference backend, whose path is already
+one SDPA kernel per sequence.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from dsinfer.layers.attention.backend import AttentionMetadata
+from dsinfer.layers.attention.mla import MLAPagedAttention
 from dsinfer.layers.attention.registry import register_attention
 from dsinfer.layers.attention.torch_paged import TorchPagedAttention
 from dsinfer.layers.rotary import StepRope
@@ -54,3 +61,20 @@ class FusedCpuPagedAttention(TorchPagedAttention):
         rest_rope = StepRope(rope.cos[nd:], rope.sin[nd:], rope.table_cos, rope.table_sin)
         rest = super().forward_qkv(qkv[nd:], rest_rope, kv_cache, meta.without_decodes())
         return torch.cat([decoded, rest])
+
+
+@register_attention("fused", "cpu", "mla")
+class FusedCpuMLAAttention(MLAPagedAttention):
+    def _absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, meta) -> torch.Tensor:  # noqa: ANN001
+        if meta.decode_seq_lens is None or cache.dtype not in _KERNEL_DTYPES:
+            return super()._absorbed(q_nope, q_pe, cache, w_uk, w_uv, meta)
+        q_lat = torch.einsum("bhn,hnl->bhl", q_nope.float(), w_uk)  # [B, H, lora]
+        o_lat = torch.ops.dsinfer.mla_decode_attention(
+            q_lat.contiguous(),
+            q_pe.float().contiguous(),  # [B, H, rope]
+            cache,  # [blocks, bs, lora + rope]
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            self.scale,
+        )  # [B, H, lora]
+        return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)  # [B, H, v]

@@ -269,6 +269,13 @@ inline void axpy(float p, const T* vt, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += p * load_f(v[i]);
 }
 
+// dst[i] = src[i] in fp32 (src: raw element bits).
+template <typename R>
+inline void widen(const R* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = load_f(src[i]);
+}
+
 // row[t] = exp(row[t] - m); returns the sum.
 inline float exp_row(float* row, int64_t n, float m) {
   float total = 0.f;
@@ -427,6 +434,159 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
           T* o = op + b * H * D + (kvh * G + g) * D;
           const float inv = 1.f / denom[g];
           for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(acc[g * D + d] * inv);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// MLA decode, register-blocked (AVX-512): 4 heads × 4 tokens of scores, 4 heads × 64 latent
+// lanes of values per loop nest, so each load feeds several FMAs (a plain dot product per
+// head and token is load-bound at one FMA per two loads). False: shapes the blocks do not
+// tile (the caller runs the plain loops).
+template <typename T, typename RowFn>
+bool mla_blocked(const float* q, int64_t nh, int64_t W, int64_t L, int64_t len, const RowFn& row,
+                 float* scores, float* out, int64_t out_stride, bool values) {
+#if defined(__AVX512F__)
+  if constexpr (kAvxElement<T>) {
+    if (nh % 4 || W % 16 || L % 64) return false;
+    if (!values) {
+      const int64_t len4 = len - len % 4;
+      for (int64_t t = len4; t < len; ++t) {  // the last len % 4 tokens: one at a time
+        const T* r = row(t);
+        for (int64_t h = 0; h < nh; ++h) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t k = 0; k < W; k += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * W + k), load16(r + k), acc);
+          scores[h * len + t] = _mm512_reduce_add_ps(acc);
+        }
+      }
+      for (int64_t t0 = 0; t0 < len4; t0 += 4) {
+        const T* rows[4] = {row(t0), row(t0 + 1), row(t0 + 2), row(t0 + 3)};
+        for (int64_t h0 = 0; h0 < nh; h0 += 4) {
+          __m512 acc[4][4];
+          for (int i = 0; i < 4; ++i)
+            for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+          for (int64_t k = 0; k < W; k += 16) {
+            __m512 c[4];
+            for (int j = 0; j < 4; ++j) c[j] = load16(rows[j] + k);
+            for (int i = 0; i < 4; ++i) {
+              const __m512 qv = _mm512_loadu_ps(q + (h0 + i) * W + k);
+              for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(qv, c[j], acc[i][j]);
+            }
+          }
+          for (int i = 0; i < 4; ++i)
+            for (int j = 0; j < 4; ++j) scores[(h0 + i) * len + t0 + j] = _mm512_reduce_add_ps(acc[i][j]);
+        }
+      }
+      return true;
+    }
+    for (int64_t h0 = 0; h0 < nh; h0 += 4) {
+      for (int64_t k = 0; k < L; k += 64) {
+        __m512 acc[4][4];
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; ++t) {
+          const T* r = row(t) + k;
+          __m512 c[4];
+          for (int j = 0; j < 4; ++j) c[j] = load16(r + 16 * j);
+          for (int i = 0; i < 4; ++i) {
+            const __m512 p = _mm512_set1_ps(scores[(h0 + i) * len + t]);
+            for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(p, c[j], acc[i][j]);
+          }
+        }
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + (h0 + i) * out_stride + k + 16 * j, acc[i][j]);
+      }
+    }
+    return true;
+  }
+#endif
+  return false;
+}
+
+// MLA's absorbed decode over the paged latent cache, one decode token per sequence. The query
+// is already in latent space (q_nope · W_UK, done by the caller as one batched GEMM), so a
+// head's score against a cached token is q_lat · c + q_pe · k_pe and its output is the
+// probability-weighted sum of the latents c (the caller applies W_UV). Each task serves a group
+// of heads of one sequence and reads that sequence's cached latents once through its block
+// table: no gathered copy of the context, no padding mask, fp32 throughout.
+//   q_lat [B, H, L] fp32; q_pe [B, H, R] fp32; cache [blocks, block_size, L + R];
+//   block_tables [B, >= ceil(seq_len / block_size)] int64; seq_lens [B] int64 -> [B, H, L] fp32.
+at::Tensor mla_decode_attention(const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& cache,
+                                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q_lat.dim() == 3 && q_lat.is_contiguous() && q_lat.scalar_type() == at::kFloat,
+              "q_lat must be contiguous fp32 [B, H, L]");
+  TORCH_CHECK(q_pe.dim() == 3 && q_pe.is_contiguous() && q_pe.scalar_type() == at::kFloat,
+              "q_pe must be contiguous fp32 [B, H, R]");
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous(), "cache must be contiguous [blocks, bs, L+R]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be int64");
+  const int64_t B = q_lat.size(0), H = q_lat.size(1), L = q_lat.size(2), R = q_pe.size(2);
+  const int64_t bs = cache.size(1), W = cache.size(2), nbt = block_tables.size(1);
+  const int64_t num_blocks = cache.size(0);
+  TORCH_CHECK(W == L + R && q_pe.size(0) == B && q_pe.size(1) == H, "latent width mismatch");
+  TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, "one table and length per row");
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= nbt * bs, "bad sequence length");
+    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i) {
+      TORCH_CHECK(bt[b * nbt + i] >= 0 && bt[b * nbt + i] < num_blocks, "block id out of range");
+    }
+  }
+  auto out = at::empty({B, H, L}, q_lat.options());
+  // Few sequences: split each one's heads so that every thread has work (each split reads the
+  // context once more, from cache-warm memory).
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = B >= threads ? 1 : std::min<int64_t>(H, (threads + B - 1) / B);
+  const int64_t per = (H + splits - 1) / splits;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, cache.scalar_type(), "mla_decode_attention", [&] {
+    using T = scalar_t;
+    const T* cp = cache.data_ptr<T>();
+    const float* ql = q_lat.data_ptr<float>();
+    const float* qr = q_pe.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const float sc = static_cast<float>(scale);
+    at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, q(per * W), c(W);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / splits, h0 = (task % splits) * per;
+        const int64_t h1 = std::min(H, h0 + per), len = lens[b], nh = h1 - h0;
+        if (nh <= 0) continue;
+        const int64_t* table = bt + b * nbt;
+        const auto row = [&](int64_t t) { return raw(cp + (table[t / bs] * bs + t % bs) * W); };
+        // Each head's query as one [q_lat | q_pe] row, scaled: a score is one dot product of
+        // width L + R with the cached [c | k_pe] row.
+        for (int64_t h = 0; h < nh; ++h) {
+          const float* a = ql + (b * H + h0 + h) * L;
+          const float* r = qr + (b * H + h0 + h) * R;
+          for (int64_t i = 0; i < L; ++i) q[h * W + i] = a[i] * sc;
+          for (int64_t i = 0; i < R; ++i) q[h * W + L + i] = r[i] * sc;
+        }
+        // Pass 1: scores (blocked, or a cached row widened to fp32 once for every head).
+        scores.assign(nh * len, 0.f);
+        const auto cached = [&](int64_t t) { return cp + (table[t / bs] * bs + t % bs) * W; };
+        float* o0 = op + (b * H + h0) * L;
+        if (!mla_blocked<T>(q.data(), nh, W, L, len, cached, scores.data(), o0, L, false)) {
+          for (int64_t t = 0; t < len; ++t) {
+            widen(row(t), c.data(), W);
+            for (int64_t h = 0; h < nh; ++h) scores[h * len + t] = dot(q.data() + h * W, c.data(), W);
+          }
+        }
+        for (int64_t h = 0; h < nh; ++h) {
+          float* sg = scores.data() + h * len;
+          const float inv = 1.f / exp_row(sg, len, *std::max_element(sg, sg + len));
+          for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+        }
+        // Pass 2: the probability-weighted latents.
+        if (!mla_blocked<T>(q.data(), nh, W, L, len, cached, scores.data(), o0, L, true)) {
+          std::fill(o0, o0 + nh * L, 0.f);
+          for (int64_t t = 0; t < len; ++t) {
+            widen(row(t), c.data(), L);
+            for (int64_t h = 0; h < nh; ++h) axpy(scores[h * len + t], c.data(), o0 + h * L, L);
+          }
         }
       }
     });
@@ -604,6 +764,9 @@ TORCH_LIBRARY(dsinfer, m) {
       "Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, int num_heads, "
       "int num_kv_heads, float scale) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()");
+  m.def(
+      "mla_decode_attention(Tensor q_lat, Tensor q_pe, Tensor cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dsinfer, CatchAll, m) { m.impl("int4_dense_supported", &int4_dense_supported); }
@@ -616,4 +779,5 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("int4_dequantize_t", &int4_dequantize_t);
   m.impl("rope_decode_attention", &rope_decode_attention);
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
+  m.impl("mla_decode_attention", &mla_decode_attention);
 }
