@@ -8,6 +8,7 @@ over a paged latent cache of a given context length.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
@@ -57,7 +58,9 @@ def main() -> None:
     scale = (nope + rope) ** -0.5
     dtype = getattr(torch, args.dtype)
     kv_b = torch.randn(h * (nope + v_dim), lora, dtype=dtype) * 0.05
-    print(f"heads {h}, latent {lora} + rope {rope}, cache {args.dtype}, {torch.get_num_threads()} threads")
+    print(
+        f"heads {h}, latent {lora} + rope {rope}, cache {args.dtype}, {torch.get_num_threads()} threads"
+    )
     print("| batch | context | reference ms | fused ms | speed-up |")
     print("|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
@@ -72,9 +75,7 @@ def main() -> None:
             outs = {}
             for backend in ("reference", "fused"):
                 attn = attention_class(backend, "cpu", "mla")(h, nope, rope, v_dim, lora, scale)
-
-                def call(attn=attn) -> torch.Tensor:  # noqa: ANN001
-                    return attn.forward(q_nope, q_pe, latent, cache, kv_b, meta)
+                call = functools.partial(attn.forward, q_nope, q_pe, latent, cache, kv_b, meta)
 
                 with torch.inference_mode():
                     outs[backend] = call()
