@@ -168,6 +168,7 @@ class Int4LinearMethod(LinearMethod):
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.dense_rows = 0  # fused backend: widen to bf16 from this many rows (0: never)
+        self.vnni = False  # fused backend: the weight is repacked for int4_vnni_linear
 
     def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
         ok = (
@@ -176,6 +177,20 @@ class Int4LinearMethod(LinearMethod):
             and torch.ops.dsinfer.int4_dense_supported()
         )
         self.dense_rows = _INT4_DENSE_FROM_ROWS if ok else 0
+        if ok and self.group_size == 32 and torch.ops.dsinfer.int4_vnni_supported():
+            self._repack_for_vnni(layer)
+
+    def _repack_for_vnni(self, layer: nn.Module) -> None:
+        """Post-load preparation for the fused backend: torch's packed layout → the int8-dot
+        layout (same bytes), once; the torch-layout tensors are dropped, not kept beside it."""
+        if self.vnni:
+            return
+        codes, sz = torch.ops.dsinfer.int4_vnni_pack(
+            layer.qweight.data, self.group_size, layer.scales_zeros.data
+        )
+        layer.qweight = nn.Parameter(codes, requires_grad=False)  # [O/16, K/8, 64]
+        layer.scales_zeros = nn.Parameter(sz, requires_grad=False)  # [O/16, G, 2, 16] bf16
+        self.vnni = True
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         layer.qweight = nn.Parameter(
@@ -187,7 +202,17 @@ class Int4LinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = _rows(x)
-        if self.dense_rows and flat.shape[0] >= self.dense_rows and flat.dtype == torch.bfloat16:
+        many = self.dense_rows and flat.shape[0] >= self.dense_rows
+        if self.vnni:
+            # Few rows: int4 × int8 dot products (activations quantised per group of 32, as
+            # llama.cpp does); many rows: the weight widened to bf16 for one dense GEMM.
+            if many and flat.dtype == torch.bfloat16:
+                wt = torch.ops.dsinfer.int4_vnni_dequantize_t(layer.qweight, layer.scales_zeros)
+                return _finish(flat @ wt, x, bias)
+            return _finish(
+                torch.ops.dsinfer.int4_vnni_linear(flat, layer.qweight, layer.scales_zeros), x, bias
+            )
+        if many and flat.dtype == torch.bfloat16:
             # Many rows (a prefill chunk): the packed kernel's time grows with every row, a
             # dense GEMM's barely; the widened weight [in, out] lives for this call only.
             wt = torch.ops.dsinfer.int4_dequantize_t(

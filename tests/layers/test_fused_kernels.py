@@ -161,3 +161,48 @@ def test_int4_widening_for_prefill_equals_the_packed_kernel(out_f: int, in_f: in
     x = torch.randn(64, in_f, generator=g).to(torch.bfloat16)
     packed = torch._weight_int4pack_mm_for_cpu(x, q["qweight"], group, q["scales_zeros"])
     torch.testing.assert_close((x @ got).float(), packed.float(), atol=2e-2, rtol=2e-2)
+
+
+def _q8_reference(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """What int4_vnni_linear computes, in torch. Per group g of 32 inputs, with w = (q - 8)·s + z
+    (w [in, out] fp32, sz [groups, out, 2] = s, z): the codes' part q·s meets x quantised to
+    int8 (scale max|x| / 127, round half to even); the zero-point part (z - 8 s) meets the
+    exact sum of x."""
+    m, k = x.shape
+    groups = x.float().view(m, k // 32, 32)
+    scale = groups.abs().amax(dim=-1, keepdim=True) / 127.0
+    xq = torch.where(scale > 0, torch.round(groups / scale), torch.zeros_like(groups)) * scale
+    s, z = sz.float().unbind(-1)  # [groups, out]
+    zc = z - 8 * s
+    codes_part = w.view(k // 32, 32, -1) - zc.unsqueeze(1)  # q·s: [groups, 32, out]
+    dots = torch.einsum("mgi,gio->mo", xq, codes_part)
+    return dots + groups.sum(-1) @ zc
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("out_f,in_f", [(128, 64), (192, 256)])
+def test_int4_int8_dot_kernel_equals_its_definition(rows: int, out_f: int, in_f: int) -> None:
+    """The VNNI kernel (the fused backend's int4 path) against the same arithmetic in torch;
+    its repacked weight widens to exactly torch's (the prefill path)."""
+    from dsinfer.layers.quant import quantize_int4
+
+    if not torch.ops.dsinfer.int4_vnni_supported():
+        pytest.skip("no AVX512-VNNI/BF16 on this CPU: int4 keeps torch's packed kernel")
+    g = torch.Generator().manual_seed(4)
+    q = quantize_int4(torch.randn(out_f, in_f, generator=g) * 0.05, 32, torch.bfloat16)
+    codes, sz = torch.ops.dsinfer.int4_vnni_pack(q["qweight"], 32, q["scales_zeros"])
+    wt = torch.ops.dsinfer.int4_dequantize_t(q["qweight"], 32, q["scales_zeros"])
+    assert torch.equal(torch.ops.dsinfer.int4_vnni_dequantize_t(codes, sz), wt)
+    # The weight exactly as the kernel uses it, (q - 8)·s + z in fp32 (torch's kernel on an
+    # fp32 identity; the bf16 widening above is rounded).
+    w_exact = torch._weight_int4pack_mm_for_cpu(
+        torch.eye(in_f), q["qweight"], 32, q["scales_zeros"].float()
+    )
+    x = torch.randn(rows, in_f, generator=g)
+    x[:, 5] = 8.0  # an outlier: its group's other activations lose precision, as defined
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = torch.ops.dsinfer.int4_vnni_linear(xd, codes, sz)
+        assert got.dtype == dtype and got.shape == (rows, out_f)
+        want = _q8_reference(xd, w_exact, q["scales_zeros"])
+        torch.testing.assert_close(got.float(), want, atol=1e-3 + TOL[dtype], rtol=TOL[dtype])

@@ -1,9 +1,16 @@
 """The fused backend against the reference on the same real weights (SmolLM2).
 
-fp32 isolates the kernels: the two backends must agree to ~1e-4. In bf16 (dense and int4) the
-reference is itself only as exact as bf16 allows: its own decode and prefill paths differ by up
-to ~0.8 in a logit of ~30 (measured), so the fused path is held to twice that disagreement —
-a broken kernel is off by whole units — and to the greedy text and the perplexity.
+fp32 isolates the kernels: the two backends must agree to ~1e-4. In bf16 the reference is
+itself only as exact as bf16 allows: its own decode and prefill paths differ by up to ~0.8 in a
+logit of ~30 (measured), so the fused path is held to twice that disagreement — a broken kernel
+is off by whole units — and to the greedy text and the perplexity.
+
+int4 on the fused backend is another arithmetic, on purpose: its projections multiply the int4
+codes with activations quantised to int8 per group of 32 (llama.cpp's way, 2-3x faster than
+torch's kernel). Its logits differ from the reference's by ~0.6 on average and up to ~3
+(measured on these prompts), so it is held to the issue's quality gate instead: perplexity
+within 0.5% of the reference's, greedy text identical up to near-ties, and logits within
+mean 1.0 / max 4.0 (a wrong code, scale or group is off by far more).
 """
 
 from __future__ import annotations
@@ -74,8 +81,11 @@ def test_bf16_fused_within_the_references_own_noise(quantization: str):
         with torch.inference_mode():
             want = decode_logits(ref.engine, ids)
             noise = (want - full_logits(ref.engine, ids)).abs().max().item()
-            err = (decode_logits(fused.engine, ids) - want).abs().max().item()
-        assert err <= 2 * noise + 0.1, (prompt, err, noise)
+            diff = (decode_logits(fused.engine, ids) - want).abs()
+        if quantization == "int4":  # int8 activations (module docstring)
+            assert diff.mean().item() <= 1.0 and diff.max().item() <= 4.0, (prompt, diff.max())
+        else:
+            assert diff.max().item() <= 2 * noise + 0.1, (prompt, diff.max().item(), noise)
     ids = ref.tokenizer.encode(PPL_TEXT)
     p_ref, p_fused = _perplexity(ref, ids), _perplexity(fused, ids)
     assert abs(p_fused - p_ref) / p_ref < 0.005, (p_fused, p_ref)
