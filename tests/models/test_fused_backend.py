@@ -45,8 +45,8 @@ def test_fp32_fused_equals_reference(smol_llm, smol_llm_reference):
                 smol_llm_reference.engine, ids
             )
         assert err.abs().max().item() < 2e-3, prompt
-    ours, ref = _greedy(smol_llm, PROMPTS[:3], 16), _greedy(smol_llm_reference, PROMPTS[:3], 16)
-    for prompt, a, b in zip(PROMPTS[:3], ours, ref, strict=True):
+    ours, ref = _greedy(smol_llm, PROMPTS[:2], 16), _greedy(smol_llm_reference, PROMPTS[:2], 16)
+    for prompt, a, b in zip(PROMPTS[:2], ours, ref, strict=True):
         ids = smol_llm.tokenizer.encode(prompt)
         with torch.inference_mode():
             logits = decode_logits(smol_llm_reference.engine, ids + b)[len(ids) - 1 : -1]
