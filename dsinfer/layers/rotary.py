@@ -85,13 +85,19 @@ class StepRope:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig) -> None:
         super().__init__()
-        inv = inverse_frequencies(head_dim, rope)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv)  # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        scale = attention_factor(rope)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        # Computed on the CPU, then moved where the model is built: under a meta-device build
+        # (the planner's parameter counts) this arithmetic would go through torch's reference
+        # decompositions, which import torch._dynamo and triton (~65 MB resident, seconds).
+        with torch.device("cpu"):
+            inv = inverse_frequencies(head_dim, rope)
+            t = torch.arange(max_position, dtype=torch.float32)
+            freqs = torch.outer(t, inv)  # [P, D/2]
+            emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+            scale = attention_factor(rope)
+            cos, sin = emb.cos() * scale, emb.sin() * scale
+        target = torch.get_default_device()
+        self.register_buffer("cos", cos.to(target), persistent=False)
+        self.register_buffer("sin", sin.to(target), persistent=False)
         self.head_dim = head_dim
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
