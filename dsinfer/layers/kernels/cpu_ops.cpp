@@ -721,8 +721,8 @@ at::Tensor int4_dequantize_t(const at::Tensor& qweight, int64_t group, const at:
 }
 
 // ---- int4 × int8 dot products (AVX512-VNNI), llama.cpp's way ---------------------------
-// torch's packed int4 kernel widens every code to fp32 and reads the weights at about a
-// third of this machine's bandwidth. Here activations are quantised to int8 per group of 32
+// torch's packed int4 kernel widens every code to fp32, per activation row (its time grows
+// with the rows). Here activations are quantised to int8 per group of 32
 // (scale max|x| / 127, as llama.cpp's Q8 blocks), and `vpdpbusd` multiplies four unsigned
 // codes by four signed activations per 32-bit lane. Per group g and output o:
 //   Σ_k w[o,k] x[k] = s[g,o] · dx_g · Σ_k q[o,k] xq[k] + (z[g,o] − 8 s[g,o]) · Σ_k x[k]
