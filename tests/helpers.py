@@ -256,3 +256,25 @@ def generate_argv(src: str) -> list[str]:
 MTP_V3 = {**DEEPSEEK_COMMON, **DEEPSEEK_CASES["v3"][1]}
 MTP_PROMPTS = [[1, 5, 9, 33, 200], [1, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [1, 300, 3]]
 MTP_GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def decode_metadata(lengths: list[int], tables: list[list[int]], block_size: int):  # noqa: ANN201
+    """The AttentionMetadata a runner builds for one decode row per sequence: sequence i holds
+    lengths[i] tokens (its new one last) in the blocks tables[i]."""
+    from dsinfer.layers.attention import AttentionMetadata
+
+    width = max(len(t) for t in tables)
+    seq_lens = torch.tensor(lengths)
+    pos = seq_lens - 1
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    mask = torch.arange(width * block_size).unsqueeze(0) >= seq_lens.unsqueeze(1)
+    slots = [t[p // block_size] for t, p in zip(tables, pos.tolist(), strict=True)]
+    return AttentionMetadata(
+        slot_blocks=torch.tensor(slots),
+        slot_offsets=pos % block_size,
+        num_decode=len(lengths),
+        decode_block_tables=padded,
+        decode_mask=mask.view(len(lengths), 1, 1, -1),
+        prefills=(),
+        decode_seq_lens=seq_lens,
+    )

@@ -14,6 +14,7 @@ from dsinfer.layers.attention import AttentionMetadata, PrefillSeq
 from dsinfer.layers.attention.mla import MLAPagedAttention
 from dsinfer.layers.attention.registry import attention_class, make_attention
 from dsinfer.layers.attention.torch_paged import TorchPagedAttention
+from tests.helpers import decode_metadata
 
 BS = 4  # block size
 
@@ -34,20 +35,7 @@ def _tables(lengths: list[int], num_blocks: int, g: torch.Generator) -> list[lis
 
 def _decode_meta(lengths: list[int], tables: list[list[int]]) -> AttentionMetadata:
     """One decode row per sequence: its new token is the last of `lengths[i]`."""
-    width = max(len(t) for t in tables)
-    seq_lens = torch.tensor(lengths)
-    pos = seq_lens - 1
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    mask = torch.arange(width * BS).unsqueeze(0) >= seq_lens.unsqueeze(1)
-    return AttentionMetadata(
-        slot_blocks=torch.tensor([t[p // BS] for t, p in zip(tables, pos.tolist(), strict=True)]),
-        slot_offsets=pos % BS,
-        num_decode=len(lengths),
-        decode_block_tables=padded,
-        decode_mask=mask.view(len(lengths), 1, 1, -1),
-        prefills=(),
-        decode_seq_lens=seq_lens,
-    )
+    return decode_metadata(lengths, tables, BS)
 
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dsinfer.layers.backend import resolve_backend
 from dsinfer.layers.kernels import FUSED_CPU, REFERENCE
 from dsinfer.layers.quant import int8_mm, quantize_int8
 from dsinfer.layers.rotary import RotaryEmbedding
+from tests.helpers import decode_metadata
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -57,20 +58,8 @@ def _paged_step(dtype: torch.dtype, lens: list[int], heads: int, kv: int, d: int
         need = -(-n // bs)
         tables.append(perm[at : at + need])
         at += need
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    seq_lens = torch.tensor(lens)
-    pos = seq_lens - 1
-    mask = torch.arange(width * bs).unsqueeze(0) >= seq_lens.unsqueeze(1)
-    meta = AttentionMetadata(
-        slot_blocks=torch.tensor([t[p // bs] for t, p in zip(tables, pos.tolist(), strict=True)]),
-        slot_offsets=pos % bs,
-        num_decode=len(lens),
-        decode_block_tables=bt,
-        decode_mask=mask.view(len(lens), 1, 1, -1),
-        prefills=(),
-        decode_seq_lens=seq_lens,
-    )
+    meta = decode_metadata(lens, tables, bs)
+    pos = meta.decode_seq_lens - 1
     qkv = torch.randn(len(lens), (heads + 2 * kv) * d, generator=g).to(dtype)
     rope = RotaryEmbedding(d, 128, RopeConfig()).cos_sin(pos, dtype)
     return qkv, rope, (k_cache, v_cache), meta
