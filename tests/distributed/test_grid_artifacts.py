@@ -44,8 +44,10 @@ def test_llama_artifact_under_a_grid_equals_single_process(tmp_path, quant, tp):
     engine = _same_as_single(_config(tmp_path / "art"), tensor_parallel=tp, pipeline_parallel=2)
     try:
         qkv = engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
-        weight = qkv.weight if quant == "none" else qkv.qweight
-        assert weight.shape[0] == (4 + 2 + 2) * 8 // tp  # 1/tp of each of q, k and v
+        assert qkv.out_features == (4 + 2 + 2) * 8 // tp  # 1/tp of each of q, k and v
+        if quant != "int4":  # int4 is repacked after loading into the fused kernel's layout
+            weight = qkv.weight if quant == "none" else qkv.qweight
+            assert weight.shape[0] == qkv.out_features
     finally:
         engine.shutdown()
 

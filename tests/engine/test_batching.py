@@ -10,19 +10,20 @@ from tests.conftest import PROMPTS
 from tests.helpers import agree_or_near_tie, assert_pool_clean
 
 N_NEW = 16  # enough steps for arrivals, chunks and preemptions to interleave
+BATCH = PROMPTS[:6]  # six requests of different lengths joining at different steps
 GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def alone(smol_llm) -> list[list[int]]:
     """Each prompt run by itself: the reference for every batched variant."""
-    return [smol_llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    return [smol_llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in BATCH]
 
 
 def _staggered(llm: LLM) -> dict[str, list[int]]:
     """Add one prompt per engine step, so requests join a running batch at different steps."""
     eng = llm.engine
-    pending = list(enumerate(PROMPTS))
+    pending = list(enumerate(BATCH))
     ids: dict[str, int] = {}
     done: dict[int, list[int]] = {}
     while pending or eng.has_unfinished_requests():
@@ -36,7 +37,7 @@ def _staggered(llm: LLM) -> dict[str, list[int]]:
 
 
 def _check(llm: LLM, got: dict[int, list[int]], alone: list[list[int]]) -> None:
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(BATCH):
         prompt_ids = llm.tokenizer.encode(p)
         assert len(got[i]) == N_NEW
         assert agree_or_near_tie(llm.engine, prompt_ids, alone[i], got[i]), (p, alone[i], got[i])
@@ -48,7 +49,7 @@ def test_staggered_arrivals_match_unbatched(smol_llm, alone):
 
 
 def test_chunked_prefill_and_tiny_pool_preemption_match_unbatched(alone):
-    # 8 prompts × (≤40 prompt + 16 new) tokens need ~30 blocks of 16; give 8 and chunk by 8.
+    # 6 prompts × (≤40 prompt + 16 new) tokens need ~20 blocks of 16; give 8 and chunk by 8.
     llm = LLM(
         "smollm2",
         dtype="float32",
@@ -86,13 +87,13 @@ def test_prefix_cache_hits_give_same_tokens(smol_llm, alone):
 
 
 def test_seeded_sampling_same_alone_and_in_batch(smol_llm):
-    p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=1234, ignore_eos=True)
+    p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12, seed=1234, ignore_eos=True)
     alone = smol_llm.generate(PROMPTS[0], p)[0].outputs[0].token_ids
-    others = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     batch = smol_llm.generate(PROMPTS[:4], [p, others, others, others])
     assert batch[0].outputs[0].token_ids == alone
     other_seed = SamplingParams(
-        temperature=0.8, top_p=0.95, max_tokens=24, seed=99, ignore_eos=True
+        temperature=0.8, top_p=0.95, max_tokens=12, seed=99, ignore_eos=True
     )
     assert smol_llm.generate(PROMPTS[0], other_seed)[0].outputs[0].token_ids != alone
     assert_pool_clean(smol_llm.engine)

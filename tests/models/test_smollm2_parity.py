@@ -51,7 +51,10 @@ GREEDY_RUNS = pytest.mark.parametrize(
 
 
 @GREEDY_RUNS
-@BACKENDS
+@pytest.mark.parametrize(
+    "llm_fixture",
+    ["smol_llm", pytest.param("smol_llm_reference", marks=pytest.mark.slow)],  # fused: default
+)
 def test_greedy_tokens_match_reference(llm_fixture, num_prompts, num_tokens, hf_smol, request):
     smol_llm = request.getfixturevalue(llm_fixture)
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)

@@ -171,7 +171,7 @@ def _fuzz(fuzz_server, examples: int) -> None:  # noqa: ANN001
 
 
 def test_fuzzed_requests_never_break_the_server(fuzz_server):
-    _fuzz(fuzz_server, examples=int(os.environ.get("DSINFER_FUZZ_EXAMPLES", "100")))
+    _fuzz(fuzz_server, examples=int(os.environ.get("DSINFER_FUZZ_EXAMPLES", "60")))
 
 
 @pytest.mark.slow

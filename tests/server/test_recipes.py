@@ -38,7 +38,10 @@ def test_json_recipes_validate(client, name, schema):
     jsonschema.validate(out, getattr(recipe, schema))
 
 
-@pytest.mark.parametrize("language", ["en", pytest.param("zh", marks=pytest.mark.slow)])
+# Tool calling end to end is in make test through test_tool_calls.py; the recipe's two
+# languages run in make test-slow.
+@pytest.mark.slow
+@pytest.mark.parametrize("language", ["en", "zh"])
 def test_customer_service_calls_the_tool_then_answers(client, language):
     recipe = _recipe("customer_service")
     out = recipe.run(client, "smollm2", language)
