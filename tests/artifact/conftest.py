@@ -36,11 +36,21 @@ def tiny_artifacts(tmp_path_factory, tiny_src, keys) -> dict[str, Path]:
     return out
 
 
+class _Compiled(dict):
+    """quant → the signed SmolLM2 artifact, compiled on first use (the fp32 one writes 540 MB
+    and only make test-slow reads it)."""
+
+    def __init__(self, root: Path, key: Path) -> None:
+        super().__init__()
+        self.root, self.key = root, key
+
+    def __missing__(self, quant: str) -> Path:
+        out = self.root / quant
+        compile_artifact("smollm2", out, CompileOptions(quant=quant, sign_key=self.key))
+        self[quant] = out
+        return out
+
+
 @pytest.fixture(scope="session")
 def smol_artifacts(tmp_path_factory, keys) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("smol-artifacts")
-    out = {}
-    for quant in ("none", "int8", "int4"):
-        out[quant] = root / quant
-        compile_artifact("smollm2", out[quant], CompileOptions(quant=quant, sign_key=keys[0]))
-    return out
+    return _Compiled(tmp_path_factory.mktemp("smol-artifacts"), keys[0])

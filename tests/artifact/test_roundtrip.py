@@ -18,6 +18,7 @@ def _greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
 
 
+@pytest.mark.slow  # make test keeps the int8/int4 SmolLM2 artifacts (test_quality.py)
 def test_fp32_smollm2_artifact_gives_the_direct_loads_tokens(smol_artifacts, keys, smol_llm):
     art = smol_artifacts["none"]
     manifest = read_manifest(art)
@@ -39,8 +40,14 @@ def test_quantised_smollm2_artifacts_answer(smol_artifacts, keys, quant):
 
 
 def test_quantised_artifacts_are_smaller(smol_artifacts):
-    sizes = {q: sum(f.size for f in read_manifest(p).files) for q, p in smol_artifacts.items()}
-    assert sizes["int8"] < 0.4 * sizes["none"]  # the embedding stays bf16
+    from dsinfer.artifact.manifest import config_from_dict
+    from dsinfer.planner.model_shape import model_shape
+
+    manifests = {q: read_manifest(smol_artifacts[q]) for q in ("int8", "int4")}
+    sizes = {q: sum(f.size for f in m.files) for q, m in manifests.items()}
+    # What the fp32 artifact holds: every parameter in 4 bytes (tied head stored once).
+    fp32 = 4 * model_shape(config_from_dict(manifests["int8"].model_config)).dense_params
+    assert sizes["int8"] < 0.4 * fp32  # the embedding stays bf16
     assert sizes["int4"] < 0.8 * sizes["int8"]
 
 

@@ -65,7 +65,7 @@ def test_chunked_prefill_and_tiny_pool_preemption_match_unbatched(alone):
 
 def test_prefix_cache_hits_give_same_tokens(smol_llm, alone):
     shared = "You are a careful assistant. Answer briefly and precisely. " * 4
-    prompts = [shared + p for p in PROMPTS[:4]]
+    prompts = [shared + p for p in PROMPTS[:3]]
     first = smol_llm.generate(prompts, GREEDY)
     second = smol_llm.generate(prompts, GREEDY)
     assert all(o.metrics.num_cached_tokens >= 32 for o in second)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import threading
 
+import pytest
+
 from dsinfer import SamplingParams
 from tests.server.conftest import wait_idle
 
@@ -114,6 +116,7 @@ def test_chat_logprobs_n_and_seed(client, served):
     wait_idle(served)
 
 
+@pytest.mark.slow  # concurrency in make test: hot swap under streaming load, the protocol tests
 def test_sixteen_concurrent_streams(client, served, smol_llm):
     prompts = [f"Write one sentence about the number {i}." for i in range(16)]
     want = [
