@@ -152,7 +152,8 @@ class Int4LinearMethod(LinearMethod):
     """Asymmetric 4-bit groups along `in`: W[o, g·G + j] ≈ (q − 8) · scale[g, o] + zero[g, o].
 
     qweight is torch's CPU int4pack layout [out, in / 2] (uint8), scales_zeros [in / G, out, 2];
-    the layout is the kernel's, so an artifact is loaded by mmap without repacking."""
+    the layout is the kernel's, so an artifact is loaded by mmap without repacking. The fused
+    backend repacks it once after loading for its int4 × int8 kernel (`_repack_for_vnni`)."""
 
     scheme = "int4"
     tensor_names = ("qweight", "scales_zeros")
