@@ -23,6 +23,7 @@ from dsinfer.registry.store import ModelRegistry, RegistryError
 from dsinfer.registry.swap import load_version, unload_version
 from dsinfer.server.errors import APIError
 from dsinfer.server.http_io import bearer_token, keys_match, parse, read_json
+from dsinfer.server.settings import ServerSettings
 
 
 class LoadRequest(BaseModel):
@@ -58,7 +59,7 @@ PromoteBody = Annotated[PromoteRequest, json_body(PromoteRequest)]
 
 def admin_router(
     registry: ModelRegistry,
-    settings: Any,
+    settings: ServerSettings,
     build_version: Callable[[str, str], Any] | None,
 ) -> APIRouter:
     def authorize(request: Request) -> None:
