@@ -76,6 +76,7 @@ def test_deepseek_v3_int8_artifact_under_tp2_equals_single_process(tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.slow  # spawns a grid to see it refused: make test-slow
 def test_int4_artifact_whose_groups_do_not_split_is_refused(tmp_path):
     torch.manual_seed(33)
     src = tiny_llama_dir(tmp_path / "src")

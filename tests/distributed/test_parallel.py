@@ -42,6 +42,7 @@ def _with_tp(config: EngineConfig, n: int) -> EngineConfig:
     return dataclasses.replace(config, tensor_parallel=n)
 
 
+@pytest.mark.slow  # spawns a grid to see it refused: make test-slow
 def test_tp_refuses_shapes_that_do_not_split(tmp_path):
     src = tiny_llama_dir(tmp_path / "tiny")
     with pytest.raises(Exception, match="split"):
