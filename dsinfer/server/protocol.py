@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from dsinfer.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from dsinfer.server.request_fields import screen_fields
 from dsinfer.structured import StructuredOutputs
+from dsinfer.structured.spec import only_one
 
 MAX_N = 16
 MAX_STOP_CHARS = 1000
@@ -174,23 +175,15 @@ class _Common(BaseModel):
             )
         so = self.structured_outputs
         if so is not None:
-            given = [
-                (kind, value)
-                for kind, value in (
-                    ("json", so.json_),
-                    ("json_object", so.json_object or None),
-                    ("regex", so.regex),
-                    ("choice", so.choice),
-                    ("grammar", so.grammar),
-                )
-                if value is not None
-            ]
-            if len(given) != 1:
-                raise ValueError(
-                    "structured_outputs takes exactly one of json, json_object, regex, choice, "
-                    f"grammar; got {', '.join(k for k, _ in given) or 'none'}"
-                )
-            asked.append(("structured_outputs", _constraint(*given[0])))
+            fields = {
+                "json": so.json_,
+                "json_object": so.json_object or None,
+                "regex": so.regex,
+                "choice": so.choice,
+                "grammar": so.grammar,
+            }
+            kind = only_one(fields, "structured_outputs takes")
+            asked.append(("structured_outputs", _constraint(*kind)))
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             value = getattr(self, name)
             if value is not None:

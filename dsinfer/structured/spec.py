@@ -10,6 +10,20 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def only_one(values: dict[str, Any], subject: str) -> tuple[str, Any]:
+    """The one constraint set among `values` (kind → value, None: unset), or ValueError naming
+    what was given. `subject` starts the message ("structured_outputs takes")."""
+    given = [(k, values[k]) for k in KINDS if values.get(k) is not None]
+    if len(given) != 1:
+        raise ValueError(
+            f"{subject} exactly one of {', '.join(KINDS)}; "
+            f"got {', '.join(k for k, _ in given) or 'none'}"
+        )
+    return given[0]
+
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
@@ -23,22 +37,8 @@ class StructuredOutputs:
     grammar: str | None = None  # EBNF, as xgrammar reads it (GBNF style: root ::= ...)
 
     def __post_init__(self) -> None:
-        given = [
-            k
-            for k, v in (
-                ("json", self.json),
-                ("json_object", self.json_object or None),
-                ("regex", self.regex),
-                ("choice", self.choice),
-                ("grammar", self.grammar),
-            )
-            if v is not None
-        ]
-        if len(given) != 1:
-            raise ValueError(
-                "structured outputs take exactly one of json, json_object, regex, choice, "
-                f"grammar; got {', '.join(given) or 'none'}"
-            )
+        values = {k: getattr(self, k) for k in KINDS}
+        only_one({**values, "json_object": self.json_object or None}, "structured outputs take")
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
