@@ -32,6 +32,11 @@ class EngineCore(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch; cheap (read per request by admission)."""
+        ...
+
     def stats(self) -> EngineStats:
         """What the engine is doing now (metrics, admission, /health)."""
         ...

@@ -204,6 +204,11 @@ class LLMEngine:
     def num_unfinished(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch (admission reads it per request: no stats snapshot)."""
+        return len(self.scheduler.running)
+
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling step. A request that makes the step fail is failed alone (its output

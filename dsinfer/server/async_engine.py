@@ -136,7 +136,7 @@ class AsyncEngine:
     @property
     def num_running(self) -> int:
         engine = self.engine
-        return engine.stats().running if engine is not None else 0
+        return engine.num_running if engine is not None else 0
 
     def stats(self) -> EngineStats | None:
         """The engine's figures now; None while it is being (re)built."""

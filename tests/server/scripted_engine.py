@@ -97,6 +97,10 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
     def step(self) -> list[RequestOutput]:
         self._admit()
         if not self.running:
