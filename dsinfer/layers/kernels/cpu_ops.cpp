@@ -556,7 +556,7 @@ at::Tensor mla_decode_attention(const at::Tensor& q_lat, const at::Tensor& q_pe,
         const int64_t h1 = std::min(H, h0 + per), len = lens[b], nh = h1 - h0;
         if (nh <= 0) continue;
         const int64_t* table = bt + b * nbt;
-        const auto row = [&](int64_t t) { return raw(cp + (table[t / bs] * bs + t % bs) * W); };
+        const auto row = [&](int64_t t) { return cp + (table[t / bs] * bs + t % bs) * W; };
         // Each head's query as one [q_lat | q_pe] row, scaled: a score is one dot product of
         // width L + R with the cached [c | k_pe] row.
         for (int64_t h = 0; h < nh; ++h) {
@@ -567,11 +567,10 @@ at::Tensor mla_decode_attention(const at::Tensor& q_lat, const at::Tensor& q_pe,
         }
         // Pass 1: scores (blocked, or a cached row widened to fp32 once for every head).
         scores.assign(nh * len, 0.f);
-        const auto cached = [&](int64_t t) { return cp + (table[t / bs] * bs + t % bs) * W; };
         float* o0 = op + (b * H + h0) * L;
-        if (!mla_blocked<T>(q.data(), nh, W, L, len, cached, scores.data(), o0, L, false)) {
+        if (!mla_blocked<T>(q.data(), nh, W, L, len, row, scores.data(), o0, L, false)) {
           for (int64_t t = 0; t < len; ++t) {
-            widen(row(t), c.data(), W);
+            widen(raw(row(t)), c.data(), W);
             for (int64_t h = 0; h < nh; ++h) scores[h * len + t] = dot(q.data() + h * W, c.data(), W);
           }
         }
@@ -581,10 +580,10 @@ at::Tensor mla_decode_attention(const at::Tensor& q_lat, const at::Tensor& q_pe,
           for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
         }
         // Pass 2: the probability-weighted latents.
-        if (!mla_blocked<T>(q.data(), nh, W, L, len, cached, scores.data(), o0, L, true)) {
+        if (!mla_blocked<T>(q.data(), nh, W, L, len, row, scores.data(), o0, L, true)) {
           std::fill(o0, o0 + nh * L, 0.f);
           for (int64_t t = 0; t < len; ++t) {
-            widen(row(t), c.data(), L);
+            widen(raw(row(t)), c.data(), L);
             for (int64_t h = 0; h < nh; ++h) axpy(scores[h * len + t], c.data(), o0 + h * L, L);
           }
         }
