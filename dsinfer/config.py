@@ -193,6 +193,8 @@ class EngineConfig:
     device: str = "cpu"
     # Kernel backend: auto (fused where it runs, else reference) | reference | fused.
     backend: str = "auto"
+    # The fused backend runs decode-only steps as one captured program (layers/step_program.py).
+    step_program: bool = True
     # Weights quantised at load: auto (a Q4/Q8 GGUF keeps int4/int8 unless dtype is float32)
     # | none | int8 | int4. Artifacts are quantised at compile instead.
     quantization: str = "auto"

@@ -57,6 +57,12 @@ class EngineArgs:
             choices=("auto", "reference", "fused"),
         ),
     )
+    step_program: bool = field(
+        default=True,
+        metadata=_opt("fused backend: run decode-only steps as one captured C++ program "
+                      "(--no-step-program: layer by layer from Python)",
+                      negate="--no-step-program"),
+    )  # fmt: skip
     quantization: str = field(
         default="auto",
         metadata=_opt(
@@ -145,6 +151,7 @@ class EngineArgs:
             dtype=self.dtype,
             device=self.device,
             backend=self.backend,
+            step_program=self.step_program,
             quantization=self.quantization,
             seed=self.seed,
             tokenizer=self.tokenizer,

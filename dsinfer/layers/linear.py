@@ -8,6 +8,7 @@ models carry no loading code: the loader calls `param.weight_loader(param, tenso
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,21 @@ from torch import nn
 from dsinfer.distributed.comm import all_reduce
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.kernels import Kernels
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramOperand:
+    """A projection as the decode-step program multiplies it (kernels/step_program.cpp):
+    `kind` names the kernel family, `a`/`b` its tensors in the kernel's layout."""
+
+    DENSE = 0  # a: weight [out, in] (F.linear)
+    INT4_VNNI = 1  # a: codes, b: scales|zeros (int4_vnni_linear)
+    INT8 = 2  # a: weight int8 [out, in], b: scales [out] (int8_mm's rules)
+
+    kind: int
+    a: torch.Tensor
+    b: torch.Tensor | None = None
+    dense_from_rows: int = 0  # int4: widen to bf16 for one GEMM from this many rows
 
 
 class LinearMethod:
@@ -45,6 +61,11 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def program_operand(self, layer: nn.Module) -> ProgramOperand | None:
+        """This layer's weights for the decode-step program, multiplied exactly as `apply`
+        does; None when the program has no kernel for this method (the step stays eager)."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
@@ -52,6 +73,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+    def program_operand(self, layer: nn.Module) -> ProgramOperand | None:
+        return ProgramOperand(ProgramOperand.DENSE, layer.weight)
 
 
 def fused_target(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
@@ -186,6 +210,15 @@ class Linear(nn.Module):
                 f"{tuple(loaded.shape)}, model expects {tuple(dst.shape)}"
             )
         dst.copy_(loaded)
+
+    def program_operand(self) -> ProgramOperand | str:
+        """The operand a decode-step program multiplies with, or why there is none."""
+        if self.parallel is not None:
+            return "tensor-parallel layers reduce across ranks between kernels"
+        operand = self.method.program_operand(self)
+        if operand is None:
+            return f"no step-program kernel for {type(self.method).__name__} in this layout"
+        return operand
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel != "row":

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import QUANTISED_SCHEMES
-from dsinfer.layers.linear import Linear, LinearMethod
+from dsinfer.layers.linear import Linear, LinearMethod, ProgramOperand
 from dsinfer.layers.moe import ExpertsMethod, RoutedExperts
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,12 @@ class Int8LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _finish(int8_mm(_rows(x), layer.qweight, layer.scales, self.fused), x, bias)
 
+    def program_operand(self, layer: nn.Module) -> ProgramOperand | None:
+        # The program applies int8_mm's rules with the fused kernel (the fused backend only).
+        return (
+            ProgramOperand(ProgramOperand.INT8, layer.qweight, layer.scales) if self.fused else None
+        )
+
 
 @register_method("int4", "cpu")
 class Int4LinearMethod(LinearMethod):
@@ -224,6 +230,14 @@ class Int4LinearMethod(LinearMethod):
             flat, layer.qweight, self.group_size, layer.scales_zeros
         )
         return _finish(y, x, bias)
+
+    def program_operand(self, layer: nn.Module) -> ProgramOperand | None:
+        # The program's int4 kernels are the VNNI layout's (groups of 32, repacked at load).
+        if not self.vnni:
+            return None
+        return ProgramOperand(
+            ProgramOperand.INT4_VNNI, layer.qweight, layer.scales_zeros, self.dense_rows
+        )
 
 
 def int4_unsupported_reason(out_features: int, in_features: int, group_size: int) -> str | None:

@@ -196,6 +196,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # Only the dense and shared-expert MLPs fuse gate|up; MLA's projections load as they are.
     packed_modules = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
+    def capture_step_program(self, kv_caches: list) -> str | None:  # noqa: ARG002
+        return "the step program has no MLA or MoE layers yet (their fused kernels run one by one)"
+
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """MLA and MoE hyper-parameters join the shared fields (typed views: cfg.mla, cfg.moe).
@@ -211,6 +214,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self.config = cfg
         self.model = DeepseekModel(cfg)
         self.lm_head = stage_lm_head(cfg, self.model.embed_tokens)
+        self.step_program = None  # the shared forward checks it; see capture_step_program
         self._mtp_prefix = f"model.layers.{cfg.num_layers}."
         # The multi-token-prediction layer, when the checkpoint carries it and it is enabled: on
         # the first pipeline stage, beside the embedding and the head it shares.

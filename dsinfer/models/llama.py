@@ -21,6 +21,7 @@ from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, StepRope
+from dsinfer.layers.step_program import ProgramLayer, StepProgram, capture_step_program
 from dsinfer.models.hf_config import common_config, refuse_mlp_bias
 from dsinfer.models.stages import skip_other_stage, stage_embedding, stage_lm_head
 
@@ -141,6 +142,40 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = stage_lm_head(cfg, self.model.embed_tokens)
+        self.step_program: StepProgram | None = None  # capture_step_program, after loading
+
+    def capture_step_program(self, kv_caches: list[KVCache]) -> str | None:
+        """Bind the decoder stack into one decode-step program; None, or why it stays eager."""
+        if parallel_state().pp_size > 1:
+            return "pipeline stages hand activations between processes"
+        layers = []
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=False)):
+            if not isinstance(layer, LlamaDecoderLayer):
+                return f"layer {i} is not a Llama decoder layer"
+            attn = layer.self_attn
+            if not attn.attn.step_program_kernel:
+                return f"layer {i}: {type(attn.attn).__name__} has no program kernel"
+            if cache[0].dtype != layer.input_layernorm.weight.dtype:
+                return "the KV cache dtype differs from the activations'"
+            layers.append(
+                ProgramLayer(
+                    layer.input_layernorm,
+                    attn.qkv_proj,
+                    attn.o_proj,
+                    layer.post_attention_layernorm,
+                    layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj,
+                    cache,
+                )
+            )
+        mha = self.model.layers[0].self_attn.attn
+        shape = {"num_heads": mha.num_heads, "num_kv_heads": mha.num_kv_heads, "scale": mha.scale}
+        rotary = self.model.rotary
+        program = capture_step_program(layers, self.model.norm, rotary.cos, rotary.sin, shape)
+        if isinstance(program, str):
+            return program
+        self.step_program = program
+        return None
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
         """Skip what another pipeline stage holds (None: the generic rule)."""
@@ -157,6 +192,8 @@ class LlamaForCausalLM(nn.Module):
         if parallel_state().pp_size > 1:
             return pipeline_forward(self, input_ids, positions, kv_caches, meta)
         x = self.model.embed_tokens(input_ids)
+        if self.step_program is not None and self.step_program.takes(x.shape[0], meta):
+            return self.step_program.run(x, meta)  # every layer in one C++ call
         rope = self.model.rotary.cos_sin(positions, x.dtype)
         residual = None
         # kv_caches may hold one more layer than the model's: the MTP layer's (DeepSeek-V3).

@@ -24,7 +24,13 @@ class UniprocExecutor:
     def __init__(self, config: Any, load: Loader, device: torch.device) -> None:
         self.loaded = load(config)
         self.runner = ModelRunner(
-            self.loaded, config.cache, device, config.seed, config.mtp, backend=config.backend
+            self.loaded,
+            config.cache,
+            device,
+            config.seed,
+            config.mtp,
+            backend=config.backend,
+            step_program=config.step_program,
         )
 
     @property

@@ -35,6 +35,7 @@ class ModelRunner:
         speculative: bool = True,
         driver: bool = True,
         backend: str = "reference",
+        step_program: bool = False,
     ) -> None:
         # The driver (rank 0) samples and keeps results; the other ranks run the same calls in
         # the same order (their parts of the collectives) and keep nothing.
@@ -48,6 +49,7 @@ class ModelRunner:
         self.kv_caches, self.num_blocks = allocate_kv_cache(
             loaded.config, cache, loaded.dtype, device
         )
+        self.step_program = self._capture_step_program(step_program)
         self.sampler = Sampler()
         # Self-speculative decoding with the model's MTP layer, when it has one and it is on.
         self.drafter = (
@@ -63,6 +65,19 @@ class ModelRunner:
         self._json_keep: torch.Tensor | None = None  # built on the first JSON request
         # Unseeded requests draw their generator seeds from this stream: runs are reproducible.
         self._seed_stream = torch.Generator().manual_seed(seed)
+
+    def _capture_step_program(self, wanted: bool) -> bool:
+        """Capture the decode step as one program (fused backend, a model that can) once the
+        KV pool is bound; logs whether decode steps run captured or layer by layer."""
+        capture = getattr(self.model, "capture_step_program", None)
+        if not wanted or self.backend != "fused" or capture is None:
+            return False
+        why_not = capture(self.kv_caches)
+        if why_not:
+            logger.info("decode steps run layer by layer: %s", why_not)
+            return False
+        logger.info("decode steps run as one captured program (layers/step_program.py)")
+        return True
 
     def _new_generator(self, seed: int | None) -> torch.Generator:
         if seed is None:

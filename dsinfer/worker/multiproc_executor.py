@@ -84,7 +84,14 @@ def _worker(rank: int, port: int, config: Any, load: Callable, device: str) -> N
     dev = _join(rank, config, port, torch.device(device))
     loaded = load(config)
     runner = ModelRunner(
-        loaded, config.cache, dev, config.seed, config.mtp, driver=False, backend=config.backend
+        loaded,
+        config.cache,
+        dev,
+        config.seed,
+        config.mtp,
+        driver=False,
+        backend=config.backend,
+        step_program=config.step_program,
     )
     while True:
         out = broadcast_object(None)
@@ -147,7 +154,13 @@ class MultiprocExecutor:
             dev = _join(0, config, port, device)
             self.loaded = load(config)
             self.runner = ModelRunner(
-                self.loaded, config.cache, dev, config.seed, config.mtp, backend=config.backend
+                self.loaded,
+                config.cache,
+                dev,
+                config.seed,
+                config.mtp,
+                backend=config.backend,
+                step_program=config.step_program,
             )
         except BaseException:
             for p in self.procs:

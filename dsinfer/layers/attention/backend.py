@@ -81,6 +81,9 @@ class AttentionBackend(abc.ABC):
 
 class MHABackend(AttentionBackend):
     kind = "mha"
+    # Whether a decode-step program (layers/step_program.py) may stand in for this backend's
+    # decode rows: its kernel is the program's (rotary + KV write + paged attention in one).
+    step_program_kernel: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(

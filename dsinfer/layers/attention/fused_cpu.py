@@ -27,6 +27,8 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 @register_attention("fused", "cpu", "mha")
 class FusedCpuPagedAttention(TorchPagedAttention):
+    step_program_kernel = True
+
     def forward_qkv(
         self,
         qkv: torch.Tensor,

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+# One translation unit: the step program calls the kernels of cpu_ops.cpp as plain functions.
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "step_program.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno")
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}
@@ -41,7 +42,7 @@ def build_key() -> str:
     # torch's location too: two environments sharing the cache would otherwise rebuild each
     # other's build directory (ninja sees new include paths).
     for part in (
-        SOURCE.read_bytes(),
+        *(source.read_bytes() for source in SOURCES),
         torch.__version__.encode(),
         torch.__file__.encode(),
         " ".join(CFLAGS).encode(),
@@ -82,7 +83,7 @@ def _load() -> str | None:
     try:
         load_inline(
             name,
-            cpp_sources=[SOURCE.read_text()],
+            cpp_sources=[source.read_text() for source in SOURCES],
             is_python_module=False,
             build_directory=str(out),
             extra_cflags=list(CFLAGS),

@@ -1,0 +1,130 @@
+// The decode step as one program: a Llama-family decoder stack run from C++ in one call.
+//
+// Why: with the kernels of cpu_ops.cpp the eager fused path spends more of a token in Python
+// and the dispatcher (~10 op calls, their argument checks, tensor wrappers and views per
+// layer, ~4 ms a token for SmolLM2's 30 layers) than in arithmetic. Here the step's sequence
+// of kernels is fixed once (captured from the loaded model, tensors bound: weights in their
+// kernel layouts, norms, KV-cache pages, rotary tables) and replayed by a C++ loop that calls
+// the same kernels directly. Same kernels, same order, same rounding: the program's hidden
+// states equal the eager fused path's bit for bit (tests/layers/test_step_program.py).
+//
+// This file is compiled in one translation unit after cpu_ops.cpp (cpu_build.py joins them),
+// so it calls that file's kernels as plain functions.
+#include <torch/custom_class.h>
+
+namespace {
+
+// How a captured projection multiplies (the quantisation method of the layer says which).
+enum ProgramLinearKind : int64_t { kDense = 0, kInt4Vnni = 1, kInt8 = 2 };
+
+struct ProgramLinear {
+  int64_t kind = kDense;
+  at::Tensor a;  // dense: weight [O, K]; int4: codes [O/16, K/8, 64]; int8: weight [O, K]
+  at::Tensor b;  // int4: scales/zeros [O/16, G, 2, 16] bf16; int8: scales [O]
+  c10::optional<at::Tensor> bias;
+  int64_t dense_from_rows = 0;  // int4: widen to bf16 for one GEMM from this many rows
+};
+
+// The rules of the Python methods (quant.py: Int4LinearMethod.apply with the VNNI layout,
+// int8_mm with the fused kernels), row for row, so that a program and the eager path agree.
+at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
+  const int64_t rows = x.size(0);
+  at::Tensor y;
+  switch (l.kind) {
+    case kDense:
+      return at::linear(x, l.a, l.bias);  // F.linear: the bias inside the GEMM
+    case kInt4Vnni:
+      if (l.dense_from_rows > 0 && rows >= l.dense_from_rows && x.scalar_type() == at::kBFloat16) {
+        y = at::mm(x, int4_vnni_dequantize_t(l.a, l.b));
+      } else {
+        y = int4_vnni_linear(x, l.a, l.b);
+      }
+      break;
+    case kInt8: {
+      const int64_t O = l.a.size(0), K = l.a.size(1);
+      if (rows <= 64 && O >= 8192) {
+        y = int8_linear(x, l.a, l.b);
+      } else if (rows < 16 && K % 16 == 0) {
+        y = at::_weight_int8pack_mm(x, l.a, l.b);
+      } else {
+        y = at::mm(x, l.a.to(x.scalar_type()).t()) * l.b;
+      }
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "step program: unknown linear kind ", l.kind);
+  }
+  return l.bias.has_value() ? y + *l.bias : y;
+}
+
+struct ProgramLayer {
+  at::Tensor input_norm, post_norm;  // [hidden]
+  at::Tensor k_cache, v_cache;       // [blocks, KV, block_size, D]
+  std::vector<ProgramLinear> linears;  // qkv, o, gate|up, down
+};
+
+}  // namespace
+
+// Captured once per loaded model (bound to its weights and KV pages); `run` replays the
+// decode step for any number of decode rows: kernel choice by rows happens inside, per call.
+struct DecodeProgram : torch::CustomClassHolder {
+  DecodeProgram(at::Tensor cos, at::Tensor sin, at::Tensor final_norm, int64_t num_heads,
+                int64_t num_kv_heads, double scale, double eps)
+      : cos_(std::move(cos)), sin_(std::move(sin)), final_norm_(std::move(final_norm)),
+        heads_(num_heads), kv_heads_(num_kv_heads), scale_(scale), eps_(eps) {
+    TORCH_CHECK(cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat,
+                "step program: rotary tables must be fp32");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache) {
+    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(k_cache), std::move(v_cache), {}});
+  }
+
+  // Appends a projection to the last layer, in the order qkv, o, gate|up, down.
+  void add_linear(int64_t kind, at::Tensor a, at::Tensor b, c10::optional<at::Tensor> bias,
+                  int64_t dense_from_rows) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "step program: add_layer first");
+    TORCH_CHECK(kind == kDense || kind == kInt4Vnni || kind == kInt8, "step program: unknown kind ", kind);
+    layers_.back().linears.push_back({kind, std::move(a), std::move(b), std::move(bias), dense_from_rows});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [B, hidden] (embedded decode tokens), block_tables [B, NB] int64, seq_lens [B] int64
+  // (tokens cached after this step) -> final-normed hidden states [B, hidden].
+  at::Tensor run(at::Tensor x, at::Tensor block_tables, at::Tensor seq_lens) const {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "step program: contiguous [B, hidden] expected");
+    at::Tensor residual, h;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const ProgramLayer& L = layers_[i];
+      TORCH_CHECK(L.linears.size() == 4, "step program: layer ", i, " is incomplete");
+      if (i == 0) {
+        residual = x;
+        h = rms_norm(x, L.input_norm, eps_);
+      } else {
+        std::tie(h, residual) = add_rms_norm(x, residual, L.input_norm, eps_);
+      }
+      const at::Tensor qkv = apply_linear(L.linears[0], h);  // [B, (H + 2KV) D]
+      const at::Tensor attn = rope_decode_attention(qkv, cos_, sin_, L.k_cache, L.v_cache, block_tables,
+                                                    seq_lens, heads_, kv_heads_, scale_);  // [B, H D]
+      std::tie(h, residual) = add_rms_norm(apply_linear(L.linears[1], attn), residual, L.post_norm, eps_);
+      x = apply_linear(L.linears[3], silu_mul(apply_linear(L.linears[2], h)));  // [B, hidden]
+    }
+    return std::get<0>(add_rms_norm(x, residual, final_norm_, eps_));
+  }
+
+ private:
+  at::Tensor cos_, sin_, final_norm_;
+  int64_t heads_, kv_heads_;
+  double scale_, eps_;
+  std::vector<ProgramLayer> layers_;
+};
+
+TORCH_LIBRARY_FRAGMENT(dsinfer, m) {
+  m.class_<DecodeProgram>("DecodeProgram")
+      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double, double>())
+      .def("add_layer", &DecodeProgram::add_layer)
+      .def("add_linear", &DecodeProgram::add_linear)
+      .def("num_layers", &DecodeProgram::num_layers)
+      .def("run", &DecodeProgram::run);
+}
