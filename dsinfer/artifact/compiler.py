@@ -20,6 +20,7 @@ from torch import nn
 
 from dsinfer.artifact.errors import ArtifactError
 from dsinfer.artifact.manifest import Manifest, config_to_dict, file_entry, write_manifest
+from dsinfer.artifact.programs import write_programs
 from dsinfer.artifact.reader import TOKENIZER_DIR
 from dsinfer.artifact.signing import sign_dir
 from dsinfer.artifact.weights_io import save_weights
@@ -98,7 +99,9 @@ def _write_contents(
         "tied": tied,
         "source": Path(src).name,
     }
-    files = [file_entry(tmp, rel) for rel in sorted(weight_files + tokenizer_files)]
+    programs = write_programs(tmp)  # the built kernels and decode-step program, when there are
+    program_files = [p["path"] for p in programs]
+    files = [file_entry(tmp, rel) for rel in sorted(weight_files + tokenizer_files + program_files)]
     manifest = Manifest(
         dsinfer_version=__version__,
         model_config=config_to_dict(loaded.config),
@@ -106,6 +109,7 @@ def _write_contents(
         tokenizer_files=tokenizer_files,
         weight_files=weight_files,
         files=files,
+        programs=programs,
     ).sealed()
     write_manifest(tmp, manifest)
     return manifest

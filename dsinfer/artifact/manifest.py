@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,8 @@ class Manifest:
     tokenizer_files: list[str]
     weight_files: list[str]
     files: list[FileEntry]
+    # Compiled programs (artifact/programs.py): path, device, build target; digested in files.
+    programs: list[dict[str, Any]] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     version_hash: str = ""
 
@@ -140,6 +142,27 @@ def _check_entries(path: Path, manifest: Manifest) -> None:
                     f"{path}: {what} names {name}, which has no digest in 'files'; every "
                     "file the runtime opens must be digested"
                 )
+    _check_program_entries(path, manifest.programs, seen)
+
+
+def _check_program_entries(path: Path, programs: object, digested: set[str]) -> None:
+    """The manifest's `programs`: each a digested file with a device and a build target."""
+    if not isinstance(programs, list):
+        raise ArtifactError(f"{path}: programs must be a list")
+    for program in programs:
+        if (
+            not isinstance(program, dict)
+            or not isinstance(program.get("path"), str)
+            or not isinstance(program.get("device"), str)
+            or not isinstance(program.get("target"), dict)
+        ):
+            raise ArtifactError(f"{path}: program entry {program!r} is malformed")
+        check_rel_path(program["path"], "programs")
+        if program["path"] not in digested:
+            raise ArtifactError(
+                f"{path}: program {program['path']} has no digest in 'files'; every file the "
+                "runtime opens must be digested"
+            )
 
 
 def _is_hex(text: str) -> bool:

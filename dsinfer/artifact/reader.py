@@ -10,6 +10,7 @@ import torch
 
 from dsinfer.artifact.errors import ArtifactError
 from dsinfer.artifact.manifest import Manifest, config_from_dict
+from dsinfer.artifact.programs import use_programs
 from dsinfer.artifact.verify import TrustPolicy, verify_artifact
 from dsinfer.artifact.weights_io import mmap_weights
 from dsinfer.config import parse_dtype
@@ -26,6 +27,7 @@ def load_artifact(root: str | Path, policy: TrustPolicy, device: str = "cpu") ->
     t0 = time.perf_counter()
     root = Path(root)
     manifest = verify_artifact(root, policy)
+    use_programs(root, manifest, torch.device(device).type)  # before the backend loads kernels
     quant = manifest.quantization
     cfg = config_from_dict(manifest.model_config)
     dtype = parse_dtype(quant["dtype"])

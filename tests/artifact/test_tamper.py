@@ -10,6 +10,7 @@ import pytest
 from dsinfer import LLM
 from dsinfer.artifact import ArtifactError
 from dsinfer.artifact.manifest import MANIFEST, SIGNATURE, read_manifest
+from dsinfer.artifact.programs import CPU_LIBRARY
 from dsinfer.artifact.signing import sign_dir
 from dsinfer.artifact.verify import TrustPolicy, verify_artifact, verify_signed
 
@@ -57,10 +58,11 @@ def test_flipped_bit_in_weights_is_refused_naming_file_and_digests(art, keys, wh
 
 
 @pytest.mark.parametrize(
-    "rel", [MANIFEST, "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
+    "rel",
+    [MANIFEST, "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json", CPU_LIBRARY],
 )
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_flipped_bit_in_manifest_or_tokenizer_is_refused(art, keys, rel, where):
+def test_flipped_bit_in_manifest_tokenizer_or_program_is_refused(art, keys, rel, where):
     _flip(art / rel, where)
     _refused(art, keys[1], Path(rel).name)
 

@@ -4,6 +4,12 @@ The library is compiled for this CPU (-march=native), so the cache key holds the
 version, the source digest and the CPU's feature flags: another torch or another CPU gets its
 own build instead of a library that would crash or run slowly. A failed build is reported once
 with its reason; callers fall back to the reference kernels.
+
+A compiled artifact may carry the built library (`dsinfer compile` copies it in, listed and
+signed like the weights): `load_prebuilt` takes it instead of building when its target (torch
+version, kernel sources, compiler flags, CPU feature set) is this machine's, so loading such an
+artifact compiles nothing; otherwise the caller logs `target_mismatch`'s reason and the kernels
+are built here as usual.
 """
 
 from __future__ import annotations
@@ -37,6 +43,42 @@ def cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def build_target() -> dict[str, str]:
+    """What a built library is only valid for (an artifact's program records it)."""
+    return {
+        "torch": torch.__version__,
+        "sources": _digest(*(source.read_bytes() for source in SOURCES)),
+        "cflags": " ".join(CFLAGS),
+        "cpu_flags": _digest(cpu_flags().encode()),
+    }
+
+
+_TARGET_NAMES = {
+    "torch": "torch",
+    "sources": "kernel sources (another dsinfer version)",
+    "cflags": "compiler flags",
+    "cpu_flags": "CPU feature set",
+}
+
+
+def target_mismatch(target: object) -> str | None:
+    """Why a library built for `target` cannot run here, or None."""
+    here = build_target()
+    if not isinstance(target, dict):
+        return "it records no build target"
+    for key, name in _TARGET_NAMES.items():
+        if target.get(key) != here[key]:
+            return f"built for {name} {target.get(key)!r}, this machine has {here[key]!r}"
+    return None
+
+
 def build_key() -> str:
     h = hashlib.sha256()
     # torch's location too: two environments sharing the cache would otherwise rebuild each
@@ -66,8 +108,34 @@ def load_cpu_ops() -> str | None:
         return _state["error"] or None  # type: ignore[return-value]
 
 
+def loaded_library() -> Path | None:
+    """The library file the kernels of this process were loaded from (None: not loaded)."""
+    path = _state.get("path")
+    return Path(path) if isinstance(path, str) and path else None
+
+
+def load_prebuilt(path: Path, target: object) -> str | None:
+    """Load a library built elsewhere (an artifact's) instead of building; None when the
+    kernels of this process now come from it, else why not (they are built as usual)."""
+    with _lock:
+        if why_not := target_mismatch(target):
+            return why_not
+        if _loaded():
+            return f"the kernels were already loaded in this process from {loaded_library()}"
+        try:
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError) as e:
+            return f"it does not load here ({type(e).__name__}: {str(e)[-200:]})"
+        _state["error"], _state["path"] = "", str(path)
+        return None
+
+
+def _loaded() -> bool:
+    return hasattr(torch.ops, "dsinfer") and hasattr(torch.ops.dsinfer, "rope_decode_attention")
+
+
 def _load() -> str | None:
-    if hasattr(torch.ops, "dsinfer") and hasattr(torch.ops.dsinfer, "rope_decode_attention"):
+    if _loaded():
         return None
     try:
         from torch.utils.cpp_extension import load_inline
@@ -95,6 +163,7 @@ def _load() -> str | None:
         return reason
     if not built:
         logger.info("fused CPU kernels built in %.1fs", time.perf_counter() - t0)
+    _state["path"] = str(out / f"{name}.so")
     return None
 
 
