@@ -10,9 +10,14 @@
 //
 // This file is compiled in one translation unit after cpu_ops.cpp (cpu_build.py joins them),
 // so it calls that file's kernels as plain functions.
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 
 namespace {
+
+// A range torch.profiler sees (the program calls its kernels directly, not through the
+// dispatcher): what ran stays countable, at the cost of a flag check when nobody profiles.
+#define DSINFER_RANGE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
 // How a captured projection multiplies (the quantisation method of the layer says which).
 enum ProgramLinearKind : int64_t { kDense = 0, kInt4Vnni = 1, kInt8 = 2 };
@@ -35,14 +40,21 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
       return at::linear(x, l.a, l.bias);  // F.linear: the bias inside the GEMM
     case kInt4Vnni:
       if (l.dense_from_rows > 0 && rows >= l.dense_from_rows && x.scalar_type() == at::kBFloat16) {
-        y = at::mm(x, int4_vnni_dequantize_t(l.a, l.b));
+        at::Tensor wt;
+        {
+          DSINFER_RANGE("dsinfer::int4_vnni_dequantize_t");
+          wt = int4_vnni_dequantize_t(l.a, l.b);
+        }
+        y = at::mm(x, wt);
       } else {
+        DSINFER_RANGE("dsinfer::int4_vnni_linear");
         y = int4_vnni_linear(x, l.a, l.b);
       }
       break;
     case kInt8: {
       const int64_t O = l.a.size(0), K = l.a.size(1);
       if (rows <= 64 && O >= 8192) {
+        DSINFER_RANGE("dsinfer::int8_linear");
         y = int8_linear(x, l.a, l.b);
       } else if (rows < 16 && K % 16 == 0) {
         y = at::_weight_int8pack_mm(x, l.a, l.b);
@@ -96,20 +108,38 @@ struct DecodeProgram : torch::CustomClassHolder {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "step program: contiguous [B, hidden] expected");
     at::Tensor residual, h;
     for (size_t i = 0; i < layers_.size(); ++i) {
+      DSINFER_RANGE("dsinfer::step_program_layer");
       const ProgramLayer& L = layers_[i];
       TORCH_CHECK(L.linears.size() == 4, "step program: layer ", i, " is incomplete");
       if (i == 0) {
+        DSINFER_RANGE("dsinfer::rms_norm");
         residual = x;
         h = rms_norm(x, L.input_norm, eps_);
       } else {
+        DSINFER_RANGE("dsinfer::add_rms_norm");
         std::tie(h, residual) = add_rms_norm(x, residual, L.input_norm, eps_);
       }
       const at::Tensor qkv = apply_linear(L.linears[0], h);  // [B, (H + 2KV) D]
-      const at::Tensor attn = rope_decode_attention(qkv, cos_, sin_, L.k_cache, L.v_cache, block_tables,
-                                                    seq_lens, heads_, kv_heads_, scale_);  // [B, H D]
-      std::tie(h, residual) = add_rms_norm(apply_linear(L.linears[1], attn), residual, L.post_norm, eps_);
-      x = apply_linear(L.linears[3], silu_mul(apply_linear(L.linears[2], h)));  // [B, hidden]
+      at::Tensor attn;
+      {
+        DSINFER_RANGE("dsinfer::rope_decode_attention");
+        attn = rope_decode_attention(qkv, cos_, sin_, L.k_cache, L.v_cache, block_tables, seq_lens,
+                                     heads_, kv_heads_, scale_);  // [B, H D]
+      }
+      const at::Tensor o = apply_linear(L.linears[1], attn);
+      {
+        DSINFER_RANGE("dsinfer::add_rms_norm");
+        std::tie(h, residual) = add_rms_norm(o, residual, L.post_norm, eps_);
+      }
+      const at::Tensor gate_up = apply_linear(L.linears[2], h);  // [B, 2I]
+      at::Tensor act;
+      {
+        DSINFER_RANGE("dsinfer::silu_mul");
+        act = silu_mul(gate_up);  // [B, I]
+      }
+      x = apply_linear(L.linears[3], act);  // [B, hidden]
     }
+    DSINFER_RANGE("dsinfer::add_rms_norm");
     return std::get<0>(add_rms_norm(x, residual, final_norm_, eps_));
   }
 
