@@ -133,9 +133,27 @@ class Int8LinearMethod(LinearMethod):
 
     def __init__(self) -> None:
         self.fused = False  # the fused backend's kernels for wide layers (use_kernels)
+        self.vnni = False  # fused backend: a wide layer repacked for int8_vnni_linear
 
     def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
         self.fused = _fused_cpu(kernels_name, device_type)
+        if (
+            self.fused
+            and layer.out_features >= _FUSED_INT8_MIN_OUT
+            and layer.out_features % 16 == 0
+            and layer.in_features % 32 == 0
+            and torch.ops.dsinfer.int4_vnni_supported()
+        ):
+            self._repack_for_vnni(layer)
+
+    def _repack_for_vnni(self, layer: nn.Module) -> None:
+        """Post-load preparation of a wide layer (the LM head) for the int8 × int8 kernel: the
+        same bytes in the kernel's layout (offset by 128), once; torch's layout is dropped."""
+        if self.vnni:
+            return
+        packed = torch.ops.dsinfer.int8_vnni_pack(layer.qweight.data)  # [O/16, K/4, 64]
+        layer.qweight = nn.Parameter(packed, requires_grad=False)
+        self.vnni = True
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         layer.qweight = nn.Parameter(
@@ -144,13 +162,24 @@ class Int8LinearMethod(LinearMethod):
         layer.scales = nn.Parameter(torch.empty(out_features), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _finish(int8_mm(_rows(x), layer.qweight, layer.scales, self.fused), x, bias)
+        flat = _rows(x)
+        if not self.vnni:
+            return _finish(int8_mm(flat, layer.qweight, layer.scales, self.fused), x, bias)
+        if flat.shape[0] <= _FUSED_INT8_MAX_ROWS:
+            # Activations quantised per group of 32, int8 × int8 dot products (4x the rate of
+            # widening to fp32 at 16 rows; see cpu_ops.cpp).
+            y = torch.ops.dsinfer.int8_vnni_linear(flat, layer.qweight, layer.scales)
+        else:  # many rows (prompt logprobs): the weight widened for one dense GEMM
+            wt = torch.ops.dsinfer.int8_vnni_dequantize_t(layer.qweight).to(flat.dtype)
+            y = (flat @ wt) * layer.scales
+        return _finish(y, x, bias)
 
     def program_operand(self, layer: nn.Module) -> ProgramOperand | None:
-        # The program applies int8_mm's rules with the fused kernel (the fused backend only).
-        return (
-            ProgramOperand(ProgramOperand.INT8, layer.qweight, layer.scales) if self.fused else None
-        )
+        # The program applies the same rules with the fused kernels (the fused backend only).
+        if not self.fused:
+            return None
+        kind = ProgramOperand.INT8_VNNI if self.vnni else ProgramOperand.INT8
+        return ProgramOperand(kind, layer.qweight, layer.scales)
 
 
 @register_method("int4", "cpu")

@@ -10,6 +10,7 @@ from dsinfer.layers.attention import AttentionMetadata, FusedCpuPagedAttention, 
 from dsinfer.layers.attention.torch_paged import TorchPagedAttention
 from dsinfer.layers.backend import resolve_backend
 from dsinfer.layers.kernels import FUSED_CPU, REFERENCE
+from dsinfer.layers.linear import Linear
 from dsinfer.layers.quant import int8_mm, quantize_int8
 from dsinfer.layers.rotary import RotaryEmbedding
 from tests.helpers import decode_metadata
@@ -195,3 +196,46 @@ def test_int4_int8_dot_kernel_equals_its_definition(rows: int, out_f: int, in_f:
         assert got.dtype == dtype and got.shape == (rows, out_f)
         want = _q8_reference(xd, w_exact, q["scales_zeros"])
         torch.testing.assert_close(got.float(), want, atol=1e-3 + TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 65])
+def test_int8_int8_dot_kernel_equals_its_definition(rows: int) -> None:
+    """The wide int8 layers' VNNI kernel (the LM head under int4/int8) against the same
+    arithmetic in torch (activations quantised per group of 32, exact integer dots); its packed
+    weight widens back to exactly the int8 values; a row's result does not depend on its batch;
+    and a layer repacked by the fused backend answers as the kernel does (rows > 64: widened)."""
+    from dsinfer.layers.quant import Int8LinearMethod, quantize_int8
+
+    if not torch.ops.dsinfer.int4_vnni_supported():
+        pytest.skip("no AVX512-VNNI/BF16 on this CPU: int8 keeps its fp32-widening kernel")
+    out_f, in_f = 8192, 96
+    g = torch.Generator().manual_seed(5)
+    q = quantize_int8(torch.randn(out_f, in_f, generator=g), torch.float32)
+    packed = torch.ops.dsinfer.int8_vnni_pack(q["qweight"])
+    widened = torch.ops.dsinfer.int8_vnni_dequantize_t(packed)
+    assert torch.equal(widened.float(), q["qweight"].float().t())
+    x = torch.randn(rows, in_f, generator=g)
+    x[:, 7] = 9.0  # an outlier: its group's other activations lose precision, as defined
+    groups = x.view(rows, in_f // 32, 32)
+    scale = groups.abs().amax(dim=-1, keepdim=True) / 127.0
+    xq = (torch.round(groups / scale) * scale).view(rows, in_f)
+    want = (xq.double() @ q["qweight"].double().t()) * q["scales"].double()
+    got = torch.ops.dsinfer.int8_vnni_linear(x, packed, q["scales"])
+    torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-4)
+    one = torch.ops.dsinfer.int8_vnni_linear(x[-1:].contiguous(), packed, q["scales"])
+    assert torch.equal(one, got[-1:])
+    layer = Linear(in_f, out_f, method=Int8LinearMethod())
+    layer.qweight.data.copy_(q["qweight"])
+    layer.scales.data.copy_(q["scales"])
+    layer.use_kernels(FUSED_CPU, "cpu")
+    assert layer.method.vnni and layer.qweight.shape == packed.shape
+    y = layer(x)
+    if rows <= 64:
+        assert torch.equal(y, got)
+    else:  # the dense path: the exact int8 weight, the activations unquantised
+        torch.testing.assert_close(
+            y.double(),
+            (x.double() @ q["qweight"].double().t()) * q["scales"].double(),
+            atol=1e-3,
+            rtol=1e-4,
+        )

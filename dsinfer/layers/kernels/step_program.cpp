@@ -20,12 +20,13 @@ namespace {
 #define DSINFER_RANGE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
 // How a captured projection multiplies (the quantisation method of the layer says which).
-enum ProgramLinearKind : int64_t { kDense = 0, kInt4Vnni = 1, kInt8 = 2 };
+enum ProgramLinearKind : int64_t { kDense = 0, kInt4Vnni = 1, kInt8 = 2, kInt8Vnni = 3 };
 
 struct ProgramLinear {
   int64_t kind = kDense;
   at::Tensor a;  // dense: weight [O, K]; int4: codes [O/16, K/8, 64]; int8: weight [O, K]
   at::Tensor b;  // int4: scales/zeros [O/16, G, 2, 16] bf16; int8: scales [O]
+                 // (int8 VNNI: a is the packed weight [O/16, K/4, 64])
   c10::optional<at::Tensor> bias;
   int64_t dense_from_rows = 0;  // int4: widen to bf16 for one GEMM from this many rows
 };
@@ -63,6 +64,14 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
       }
       break;
     }
+    case kInt8Vnni:
+      if (rows <= 64) {
+        DSINFER_RANGE("dsinfer::int8_vnni_linear");
+        y = int8_vnni_linear(x, l.a, l.b);
+      } else {
+        y = at::mm(x, int8_vnni_dequantize_t(l.a).to(x.scalar_type())) * l.b;
+      }
+      break;
     default:
       TORCH_CHECK(false, "step program: unknown linear kind ", l.kind);
   }
@@ -96,7 +105,7 @@ struct DecodeProgram : torch::CustomClassHolder {
   void add_linear(int64_t kind, at::Tensor a, at::Tensor b, c10::optional<at::Tensor> bias,
                   int64_t dense_from_rows) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "step program: add_layer first");
-    TORCH_CHECK(kind == kDense || kind == kInt4Vnni || kind == kInt8, "step program: unknown kind ", kind);
+    TORCH_CHECK(kind >= kDense && kind <= kInt8Vnni, "step program: unknown kind ", kind);
     layers_.back().linears.push_back({kind, std::move(a), std::move(b), std::move(bias), dense_from_rows});
   }
 
