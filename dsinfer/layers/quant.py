@@ -51,6 +51,7 @@ _FUSED_INT8_MAX_ROWS = 64
 # kernel, whose time grows linearly past ~4 rows (576 → 3072: 4.1 ms packed vs 1.8 ms dense
 # at 160 rows); set from the measurement in docs/backends.md.
 _INT4_DENSE_FROM_ROWS = 48
+_QUANTISE_ROWS = 4096  # rows quantised at a time (bounds the float temporaries at load)
 
 
 def _fused_cpu(kernels_name: str, device_type: str) -> bool:
@@ -174,6 +175,13 @@ class Int8LinearMethod(LinearMethod):
             y = (flat @ wt) * layer.scales
         return _finish(y, x, bias)
 
+    def rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of the dequantised weight, W[ids] [T, in] in `dtype` (a tied embedding's
+        lookup)."""
+        if self.vnni:
+            return torch.ops.dsinfer.int8_vnni_rows(layer.qweight, layer.scales, ids, dtype)
+        return (layer.qweight[ids].float() * layer.scales[ids].float()[:, None]).to(dtype)
+
     def program_operand(self, layer: nn.Module) -> ProgramOperand | None:
         # The program applies the same rules with the fused kernels (the fused backend only).
         if not self.fused:
@@ -280,10 +288,17 @@ def int4_unsupported_reason(out_features: int, in_features: int, group_size: int
 
 @torch.no_grad()
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Symmetric per-output-channel int8: scale = max|w_row| / 127."""
-    w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [out]
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    """Symmetric per-output-channel int8: scale = max|w_row| / 127.
+
+    Row by row, so in chunks: an fp32 copy of a whole LM head (113 MB for SmolLM2's) and its
+    temporaries would set the process's peak memory at load."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0])
+    for start in range(0, weight.shape[0], _QUANTISE_ROWS):
+        w = weight[start : start + _QUANTISE_ROWS].float()
+        s = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [rows]
+        q[start : start + _QUANTISE_ROWS] = torch.round(w / s[:, None]).clamp(-127, 127)
+        scales[start : start + _QUANTISE_ROWS] = s
     return {"qweight": q, "scales": scales.to(dtype)}
 
 

@@ -239,3 +239,38 @@ def test_int8_int8_dot_kernel_equals_its_definition(rows: int) -> None:
             atol=1e-3,
             rtol=1e-4,
         )
+
+
+def test_tied_embedding_reads_the_quantised_heads_rows() -> None:
+    """A tied vocabulary is kept once: after the fused backend repacks the int8 head, the
+    embedding drops its float table and looks rows up in the head (w · s, as the head
+    multiplies with); on the reference backend both keep their own."""
+    from dsinfer.layers.embedding import LMHead, VocabEmbedding
+    from dsinfer.layers.quant import Int8LinearMethod, quantize_int8
+
+    if not torch.ops.dsinfer.int4_vnni_supported():
+        pytest.skip("no AVX512-VNNI/BF16 on this CPU: the head keeps torch's int8 layout")
+    vocab, hidden = 8192, 64
+    g = torch.Generator().manual_seed(6)
+    for kernels, dropped in ((REFERENCE, False), (FUSED_CPU, True)):
+        embed = VocabEmbedding(vocab, hidden)
+        embed.weight.data = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)
+        head = LMHead(vocab, hidden, tied_to=embed)
+        q = quantize_int8(embed.weight.data, torch.bfloat16)
+        head.set_method(Int8LinearMethod())
+        head.qweight.data, head.scales.data = q["qweight"], q["scales"]
+        ids = torch.tensor([0, 5, 8191, 5, 4096])
+        before = embed(ids)
+        head.use_kernels(kernels, "cpu")
+        assert (embed.weight.numel() == 0) is dropped
+        got = embed(ids)
+        if dropped:
+            want = (q["qweight"][ids].float() * q["scales"][ids].float()[:, None]).bfloat16()
+            assert torch.equal(got, want)
+            assert (got.float() - before.float()).abs().max() < 0.05  # int8 rows of the table
+        else:
+            assert torch.equal(got, before)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.dsinfer.int8_vnni_rows(
+            head.qweight, head.scales, torch.tensor([vocab]), torch.float32
+        )

@@ -965,6 +965,38 @@ at::Tensor int8_vnni_dequantize_t(const at::Tensor& packed) {
   return out;
 }
 
+// Rows of the packed weight as values, (w · s[row]) in `dtype`: the embedding lookup of a model
+// whose embedding is tied to this (LM head) weight reads it here instead of keeping a float copy.
+at::Tensor int8_vnni_rows(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& ids,
+                          at::ScalarType dtype) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64 && packed.scalar_type() == at::kByte,
+              "int8_vnni_rows: packed [O/16, K/4, 64] expected");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "int8_vnni_rows: int64 ids [T]");
+  const int64_t OB = packed.size(0), Q = packed.size(1), K = Q * 4, O = OB * 16, T = ids.size(0);
+  TORCH_CHECK(scales.numel() == O, "int8_vnni_rows: one scale per row");
+  const at::Tensor idc = ids.contiguous();
+  const at::Tensor sf = scales.to(at::kFloat).contiguous();
+  auto out = at::empty({T, K}, packed.options().dtype(dtype));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  const float* sp = sf.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < O, "int8_vnni_rows: id out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "int8_vnni_rows", [&] {
+    auto* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t row = ip[t], ob = row / 16, l = row % 16;
+        const float s = sp[row];
+        for (int64_t q = 0; q < Q; ++q)
+          for (int64_t j = 0; j < 4; ++j)
+            op[t * K + 4 * q + j] = from_f32<scalar_t>(
+                static_cast<float>(static_cast<int>(pp[(ob * Q + q) * 64 + l * 4 + j]) - 128) * s);
+      }
+    });
+  });
+  return out;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 // 16 outputs (one packed block) for M rows: out[m][16] = Σ_g dx[m, g] · Σ_{k∈g} (w + 128) · xq.
 template <int M>
@@ -1090,6 +1122,7 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("int8_vnni_pack(Tensor w) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("int8_vnni_dequantize_t(Tensor packed) -> Tensor");
+  m.def("int8_vnni_rows(Tensor packed, Tensor scales, Tensor ids, ScalarType dtype) -> Tensor");
   m.def(
       "rope_decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, int num_heads, "
@@ -1120,4 +1153,5 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("int8_vnni_pack", &int8_vnni_pack);
   m.impl("int8_vnni_linear", &int8_vnni_linear);
   m.impl("int8_vnni_dequantize_t", &int8_vnni_dequantize_t);
+  m.impl("int8_vnni_rows", &int8_vnni_rows);
 }
