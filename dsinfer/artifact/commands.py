@@ -38,7 +38,14 @@ def report_text(report: dict) -> str:
         f"compile time    {report['compile_seconds']:.1f} s",
         f"decode ops, one decoder layer (torch.profiler): "
         f"{ops['checkpoint_layout']} before fusion → {ops['compiled']} after (reference "
-        f"backend) → {ops['compiled_fused']} on the fused backend",
+        f"backend) → {ops['compiled_fused']} on the fused backend"
+        + (
+            f" → {ops['compiled_program']} in the captured program"
+            if "compiled_program" in ops
+            else ""
+        ),
+        "decode calls from Python per step (whole model): "
+        + ", ".join(f"{k} {v}" for k, v in report["decode_calls_from_python"].items()),
         "weight bytes    "
         + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in report["weight_bytes"].items()),
         f"KV capacity     {report['kv_capacity_tokens']:,} tokens in "

@@ -13,6 +13,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +74,31 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeOps:
+    """One decode step under torch.profiler."""
+
+    per_layer: int  # operators the first decoder layer ran (aten:: and dsinfer:: kernels)
+    from_python: int  # operators called from Python for the whole model (top-level events)
+
+
+_PROGRAM_LAYER = "dsinfer::step_program_layer"  # the range the step program opens per layer
+
+
 @torch.inference_mode()
-def decode_layer_ops(loaded: LoadedModel, backend: str = "reference") -> int:
-    """Operators the first decoder layer dispatches in one decode step (torch.profiler)."""
+def decode_ops(loaded: LoadedModel, backend: str = "reference", program: bool = False) -> DecodeOps:
+    """Operators of one decode step: in the first decoder layer (a range around it, or the
+    captured program's own per-layer range), and how many the model's forward called from
+    Python (events without a parent)."""
     runner = ModelRunner(
-        loaded, CacheConfig(block_size=16, num_blocks=2), torch.device("cpu"), backend=backend
+        loaded,
+        CacheConfig(block_size=16, num_blocks=2),
+        torch.device("cpu"),
+        backend=backend,
+        step_program=program,
     )
+    if program and not runner.step_program:
+        raise ValueError("the decode step of this model cannot be captured as a program")
     seq = ScheduledSeq("probe", [1], _CONTEXT, [0, 1], do_sample=False)
     inp = build_model_input([seq], runner.block_size, runner.device)
     layer = loaded.model.model.layers[0]
@@ -99,9 +119,20 @@ def decode_layer_ops(loaded: LoadedModel, backend: str = "reference") -> int:
     finally:
         for h in hooks:
             h.remove()
-    ranges = [e for e in prof.events() if e.name == _LAYER_RANGE]
-    assert len(ranges) == 1, "the layer ran once under the profiler"
-    return sum(1 for c in ranges[0].cpu_children if c.name.startswith(("aten::", "dsinfer::")))
+        loaded.model.step_program = None  # the next measurement starts eager
+    events = prof.events()
+    name = _PROGRAM_LAYER if program else _LAYER_RANGE
+    ranges = [e for e in events if e.name == name]
+    assert ranges, f"no {name} range under the profiler"
+    kernels = ("aten::", "dsinfer::")
+    per_layer = sum(1 for c in ranges[0].cpu_children if c.name.startswith(kernels))
+    top = sum(1 for e in events if e.cpu_parent is None and e.name.startswith(kernels))
+    return DecodeOps(per_layer, top)
+
+
+def decode_layer_ops(loaded: LoadedModel, backend: str = "reference") -> int:
+    """Operators the first decoder layer dispatches in one decode step (torch.profiler)."""
+    return decode_ops(loaded, backend).per_layer
 
 
 def weight_bytes(model: nn.Module, group_size: int) -> dict[str, int]:
@@ -149,15 +180,28 @@ def compile_with_report(
     reference = load_model(src, compiled.dtype)
     unfuse(reference.model)
     budget = parse_memory(kv_budget)
+    checkpoint, eager = decode_ops(reference), decode_ops(compiled)
+    fused = decode_ops(compiled, "fused")
+    try:
+        program: DecodeOps | None = decode_ops(compiled, "fused", program=True)
+    except ValueError:  # this model's step is not capturable (DeepSeek): eager figures only
+        program = None
     return {
         "artifact": str(out),
         "version": manifest.short_version,
         "quant": opts.quant,
         "compile_seconds": seconds,
         "decode_ops_per_layer": {
-            "checkpoint_layout": decode_layer_ops(reference),
-            "compiled": decode_layer_ops(compiled),
-            "compiled_fused": decode_layer_ops(compiled, "fused"),
+            "checkpoint_layout": checkpoint.per_layer,
+            "compiled": eager.per_layer,
+            "compiled_fused": fused.per_layer,
+            **({"compiled_program": program.per_layer} if program else {}),
+        },
+        # Operators the forward calls from Python per decode step (the whole model).
+        "decode_calls_from_python": {
+            "compiled": eager.from_python,
+            "compiled_fused": fused.from_python,
+            **({"compiled_program": program.from_python} if program else {}),
         },
         "weight_bytes": weight_bytes(reference.model, opts.group_size),
         "kv_bytes_per_token": compiled.config.kv_bytes_per_token(compiled.dtype),

@@ -62,6 +62,12 @@ def test_compile_report_is_measured(tmp_path, tiny_src, capsys):
     # The fused backend: norm+residual, qkv, rotary+cache write+attention, o, norm+residual,
     # gate|up, SiLU·mul, down — and the slice that picks the decode rows.
     assert ops["compiled_fused"] <= ops["compiled"] / 5, ops
+    # The captured program runs the same kernels without the slice: 8 (the tiny model's int8
+    # layers are narrow, so their matmul is torch's packed kernel: aten, counted too).
+    assert ops["compiled_program"] == 8, ops
+    calls = report["decode_calls_from_python"]
+    # Python calls the embedding and the program once a step, whatever the depth.
+    assert calls["compiled_program"] <= 3 < calls["compiled_fused"] < calls["compiled"], calls
     wb = report["weight_bytes"]
     assert wb["int4"] < wb["int8"] < wb["bfloat16"] < wb["float32"]
     per_token = report["kv_bytes_per_token"]
