@@ -791,9 +791,11 @@ std::tuple<at::Tensor, at::Tensor> int4_vnni_pack(const at::Tensor& qweight, int
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 // One row of activations quantised per group of 32: xq (int8), dx (scale), sx (exact sum).
-inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* dx, float* sx) {
+// Straight from the activation dtype (fp32 or bf16: widened in registers, no fp32 copy).
+template <typename T>
+inline void quantize_row_q8(const T* x, int64_t K, int8_t* xq, float* dx, float* sx) {
   for (int64_t g = 0; g < K / 32; ++g) {
-    const __m512 a = _mm512_loadu_ps(x + g * 32), b = _mm512_loadu_ps(x + g * 32 + 16);
+    const __m512 a = load16(x + g * 32), b = load16(x + g * 32 + 16);
     const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(a)), _mm512_reduce_max_ps(_mm512_abs_ps(b)));
     const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
@@ -802,6 +804,19 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* xq, float* dx, fl
     _mm_storeu_si128((__m128i*)(xq + g * 32 + 16), _mm512_cvtsepi32_epi8(qb));
     dx[g] = d;
     sx[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  }
+}
+
+// Every row of x [M, K] (contiguous fp32 or bf16), quantised per group of 32.
+inline void quantize_rows_q8(const at::Tensor& x, int8_t* xq, float* dx, float* sx) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* xp = x.data_ptr<c10::BFloat16>();
+    for (int64_t m = 0; m < M; ++m) quantize_row_q8(xp + m * K, K, xq + m * K, dx + m * G, sx + m * G);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "int8 activations: fp32 or bf16 rows expected");
+    const float* xp = x.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) quantize_row_q8(xp + m * K, K, xq + m * K, dx + m * G, sx + m * G);
   }
 }
 
@@ -851,11 +866,9 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& codes, const 
   TORCH_CHECK(codes.size(1) * 8 == K && sz.size(1) == G, "int4_vnni_linear: shape mismatch");
   auto out = at::empty({M, O}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * G), sx(M * G);
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row_q8(xf.data_ptr<float>() + m * K, K, xq.data() + m * K, dx.data() + m * G, sx.data() + m * G);
+  quantize_rows_q8(x, xq.data(), dx.data(), sx.data());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const auto* szp = sz.data_ptr<c10::BFloat16>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_vnni_linear", [&] {
@@ -1030,12 +1043,11 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const
   TORCH_CHECK(packed.size(1) * 4 == K && scales.numel() == O, "int8_vnni_linear: shape mismatch");
   auto out = at::empty({M, O}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor sf = scales.to(at::kFloat).contiguous();
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * G), sx(M * G), corr(M, 0.f);
+  quantize_rows_q8(x, xq.data(), dx.data(), sx.data());
   for (int64_t m = 0; m < M; ++m) {
-    quantize_row_q8(xf.data_ptr<float>() + m * K, K, xq.data() + m * K, dx.data() + m * G, sx.data() + m * G);
     for (int64_t g = 0; g < G; ++g) {  // the +128 of the weights, per row: 128 · Σ_g dx Σ xq
       int32_t sum = 0;
       for (int64_t k = 0; k < 32; ++k) sum += xq[m * K + g * 32 + k];
