@@ -27,6 +27,7 @@ from dsinfer.artifact.manifest import Manifest
 from dsinfer.artifact.safe_files import read_bounded
 from dsinfer.layers.kernels.cpu_build import (
     build_target,
+    kernels_loaded,
     load_cpu_ops,
     load_prebuilt,
     loaded_library,
@@ -72,13 +73,21 @@ def use_programs(root: Path, manifest: Manifest, device_type: str) -> bool:
                 why_not,
             )
             return False
+        if kernels_loaded():  # a second model in this process: its kernels are there already
+            logger.info("compiled program %s not needed: the kernels are loaded", rel)
+            return False
         data = read_bounded(root / rel, MAX_PROGRAM_BYTES)
         size, sha256 = digests[rel]
         if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
             raise ArtifactError(f"{root / rel}: changed after verification; the file was altered")
-        private = Path(tempfile.mkdtemp(prefix="dsinfer-program-")) / Path(rel).name
-        private.write_bytes(data)
-        if why_not := load_prebuilt(private, program["target"]):
+        private_dir = Path(tempfile.mkdtemp(prefix="dsinfer-program-"))  # 0700, ours alone
+        private = private_dir / Path(rel).name
+        try:
+            private.write_bytes(data)
+            why_not = load_prebuilt(private, program["target"])
+        finally:  # once loaded, the mapping outlives the file
+            shutil.rmtree(private_dir, ignore_errors=True)
+        if why_not:
             logger.info("compiled program %s not loaded: %s", rel, why_not)
             return False
         logger.info("fused kernels and the decode-step program from the artifact: nothing compiled")

@@ -120,7 +120,7 @@ def load_prebuilt(path: Path, target: object) -> str | None:
     with _lock:
         if why_not := target_mismatch(target):
             return why_not
-        if _loaded():
+        if kernels_loaded():
             return f"the kernels were already loaded in this process from {loaded_library()}"
         try:
             torch.ops.load_library(str(path))
@@ -130,12 +130,13 @@ def load_prebuilt(path: Path, target: object) -> str | None:
         return None
 
 
-def _loaded() -> bool:
+def kernels_loaded() -> bool:
+    """Whether this process has the kernels already (built, cached or an artifact's)."""
     return hasattr(torch.ops, "dsinfer") and hasattr(torch.ops.dsinfer, "rope_decode_attention")
 
 
 def _load() -> str | None:
-    if _loaded():
+    if kernels_loaded():
         return None
     try:
         from torch.utils.cpp_extension import load_inline
