@@ -23,15 +23,7 @@ Loader = Callable[[Any], LoadedModel]
 class UniprocExecutor:
     def __init__(self, config: Any, load: Loader, device: torch.device) -> None:
         self.loaded = load(config)
-        self.runner = ModelRunner(
-            self.loaded,
-            config.cache,
-            device,
-            config.seed,
-            config.mtp,
-            backend=config.backend,
-            step_program=config.step_program,
-        )
+        self.runner = ModelRunner.for_engine(self.loaded, config, device)
 
     @property
     def num_blocks(self) -> int:

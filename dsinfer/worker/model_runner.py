@@ -66,6 +66,27 @@ class ModelRunner:
         # Unseeded requests draw their generator seeds from this stream: runs are reproducible.
         self._seed_stream = torch.Generator().manual_seed(seed)
 
+    @classmethod
+    def for_engine(
+        cls,
+        loaded: LoadedModel,
+        config,
+        device: torch.device,
+        driver: bool = True,  # noqa: ANN001
+    ) -> ModelRunner:
+        """The runner an engine config asks for (an EngineConfig: cache, seed, MTP, backend,
+        step program); every executor and rank builds it the same way."""
+        return cls(
+            loaded,
+            config.cache,
+            device,
+            config.seed,
+            config.mtp,
+            driver=driver,
+            backend=config.backend,
+            step_program=config.step_program,
+        )
+
     def _capture_step_program(self, wanted: bool) -> bool:
         """Capture the decode step as one program (fused backend, a model that can) once the
         KV pool is bound; logs whether decode steps run captured or layer by layer."""

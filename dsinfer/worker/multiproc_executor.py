@@ -83,16 +83,7 @@ def _join(rank: int, config: Any, port: int, device: torch.device) -> torch.devi
 def _worker(rank: int, port: int, config: Any, load: Callable, device: str) -> None:
     dev = _join(rank, config, port, torch.device(device))
     loaded = load(config)
-    runner = ModelRunner(
-        loaded,
-        config.cache,
-        dev,
-        config.seed,
-        config.mtp,
-        driver=False,
-        backend=config.backend,
-        step_program=config.step_program,
-    )
+    runner = ModelRunner.for_engine(loaded, config, dev, driver=False)
     while True:
         out = broadcast_object(None)
         if out is None:
@@ -153,15 +144,7 @@ class MultiprocExecutor:
         try:
             dev = _join(0, config, port, device)
             self.loaded = load(config)
-            self.runner = ModelRunner(
-                self.loaded,
-                config.cache,
-                dev,
-                config.seed,
-                config.mtp,
-                backend=config.backend,
-                step_program=config.step_program,
-            )
+            self.runner = ModelRunner.for_engine(self.loaded, config, dev)
         except BaseException:
             for p in self.procs:
                 p.kill()

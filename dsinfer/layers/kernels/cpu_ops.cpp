@@ -597,6 +597,22 @@ at::Tensor mla_decode_attention(const at::Tensor& q_lat, const at::Tensor& q_pe,
 // Activations are widened to fp32 once; weights are read once per call and widened in
 // registers. Outputs are rounded to the activation dtype, as torch's packed kernels do.
 
+// Rows in chunks of up to 4 (measured: more accumulators scale worse): f(m0, rows) with
+// `rows` a compile-time constant (std::integral_constant), so that the kernels keep one
+// accumulator per row in registers. A row's sums run in the same order whatever its chunk:
+// a sequence's result does not depend on what else is in the batch.
+template <typename F>
+inline void in_row_chunks(int64_t M, F&& f) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: f(m0, std::integral_constant<int, 1>{}); break;
+      case 2: f(m0, std::integral_constant<int, 2>{}); break;
+      case 3: f(m0, std::integral_constant<int, 3>{}); break;
+      default: f(m0, std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
+
 // out[m] = sum_k x[m, k] * w[k] for m < M: each weight is widened once for all rows (M is a
 // template argument so that the accumulators stay in registers). Two accumulators per row
 // (even and odd blocks of 16): one FMA chain per row would wait on the FMA latency (4 cycles)
@@ -653,26 +669,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int8_t* wp = w.data_ptr<int8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_linear", [&] {
     auto* op = out.data_ptr<scalar_t>();
-    // Rows in chunks of up to 4 (measured: more accumulators scale worse). The outputs go in
-    // tiles of 64 weight rows (~37 KB at K = 576, in L1) and every chunk of rows passes over
-    // a tile before the next is read, so the weights stream from memory once per call, not
-    // once per chunk (16 rows: 4x less traffic). A row's sum runs in the same order whatever
-    // the chunk, so a sequence's logits do not depend on what else is in the batch.
+    // The outputs go in tiles of 64 weight rows (~37 KB at K = 576, in L1) and every chunk of
+    // rows passes over a tile before the next is read, so the weights stream from memory once
+    // per call, not once per chunk (16 rows: 4x less traffic).
     constexpr int64_t kTile = 64;
     at::parallel_for(0, (O + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t o0 = t * kTile, o1 = std::min<int64_t>(O, o0 + kTile);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const int64_t n = std::min<int64_t>(4, M - m0);
-          const float* xc = xp + m0 * K;
-          scalar_t* oc = op + m0 * O;
-          switch (n) {
-            case 1: int8_rows<scalar_t, 1>(xc, wp, sp, oc, K, O, o0, o1); break;
-            case 2: int8_rows<scalar_t, 2>(xc, wp, sp, oc, K, O, o0, o1); break;
-            case 3: int8_rows<scalar_t, 3>(xc, wp, sp, oc, K, O, o0, o1); break;
-            default: int8_rows<scalar_t, 4>(xc, wp, sp, oc, K, O, o0, o1); break;
-          }
-        }
+        in_row_chunks(M, [&](int64_t m0, auto rows) {
+          int8_rows<scalar_t, decltype(rows)::value>(xp + m0 * K, wp, sp, op + m0 * O, K, O, o0, o1);
+        });
       }
     });
   });
@@ -879,20 +885,12 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& codes, const 
       for (int64_t ob = ob0; ob < ob1; ++ob) {
         const uint8_t* c = cp + ob * (K / 8) * 64;
         const c10::BFloat16* s = szp + ob * G * 32;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const int64_t n = std::min<int64_t>(4, M - m0);
-          const int8_t* q = xq.data() + m0 * K;
-          const float* d = dx.data() + m0 * G;
-          const float* sm = sx.data() + m0 * G;
-          switch (n) {
-            case 1: vnni_block<1>(c, s, K, q, d, sm, tile); break;
-            case 2: vnni_block<2>(c, s, K, q, d, sm, tile); break;
-            case 3: vnni_block<3>(c, s, K, q, d, sm, tile); break;
-            default: vnni_block<4>(c, s, K, q, d, sm, tile); break;
-          }
-          for (int64_t m = 0; m < n; ++m)
+        in_row_chunks(M, [&](int64_t m0, auto rows) {
+          constexpr int R = decltype(rows)::value;
+          vnni_block<R>(c, s, K, xq.data() + m0 * K, dx.data() + m0 * G, sx.data() + m0 * G, tile);
+          for (int64_t m = 0; m < R; ++m)
             for (int64_t l = 0; l < 16; ++l) op[(m0 + m) * O + ob * 16 + l] = from_f32<T>(tile[m * 16 + l]);
-        }
+        });
       }
     });
   });
@@ -1059,28 +1057,21 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_vnni_linear", [&] {
     using T = scalar_t;
     T* op = out.data_ptr<T>();
-    // Rows in chunks of 4 per block of 16 outputs: each block's weights (K · 16 bytes) are
-    // read once for all rows; a row's sums run in the same order whatever M.
+    // Per block of 16 outputs, every chunk of rows: each block's weights (K · 16 bytes) are
+    // read once for all rows.
     at::parallel_for(0, OB, 16, [&](int64_t ob0, int64_t ob1) {
       float tile[4 * 16];
       for (int64_t ob = ob0; ob < ob1; ++ob) {
         const uint8_t* wb = pp + ob * (K / 4) * 64;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const int64_t n = std::min<int64_t>(4, M - m0);
-          const int8_t* q = xq.data() + m0 * K;
-          const float* d = dx.data() + m0 * G;
-          switch (n) {
-            case 1: vnni8_block<1>(wb, K, q, d, tile); break;
-            case 2: vnni8_block<2>(wb, K, q, d, tile); break;
-            case 3: vnni8_block<3>(wb, K, q, d, tile); break;
-            default: vnni8_block<4>(wb, K, q, d, tile); break;
-          }
-          for (int64_t m = 0; m < n; ++m)
+        in_row_chunks(M, [&](int64_t m0, auto rows) {
+          constexpr int R = decltype(rows)::value;
+          vnni8_block<R>(wb, K, xq.data() + m0 * K, dx.data() + m0 * G, tile);
+          for (int64_t m = 0; m < R; ++m)
             for (int64_t l = 0; l < 16; ++l) {
               const int64_t o = ob * 16 + l;
               op[(m0 + m) * O + o] = from_f32<T>(sp[o] * (tile[m * 16 + l] - corr[m0 + m]));
             }
-        }
+        });
       }
     });
   });
