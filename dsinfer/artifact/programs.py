@@ -5,8 +5,9 @@ program (layers/kernels/step_program.cpp), so that loading the artifact compiles
 what it was built for (torch version, kernel sources, compiler flags, CPU feature set) in the
 manifest's `programs`; the file is listed with its sha256 and covered by the signature like a
 weight file, so a changed bit is refused at verification, naming it. It is native code: it is
-loaded only after the whole artifact verified, from a private copy of the very bytes that
-were hashed (a swap of the file after verification cannot slip in).
+loaded only from an artifact whose signature verified under a trust policy (an unsigned one's
+program is skipped, saying so), after the whole artifact verified, from a private copy of the
+very bytes that were hashed (a swap of the file after verification cannot slip in).
 
 A program built for another target is skipped with the reason logged, and the kernels are
 built here as without an artifact (or the backend falls back, saying why): never a crash,
@@ -57,14 +58,25 @@ def write_programs(root: Path) -> list[dict[str, Any]]:
     return [{"path": CPU_LIBRARY, "device": "cpu", "target": build_target()}]
 
 
-def use_programs(root: Path, manifest: Manifest, device_type: str) -> bool:
+def use_programs(root: Path, manifest: Manifest, device_type: str, signed: bool) -> bool:
     """Load the artifact's program for `device_type` when it was built for this machine
-    (after `verify_artifact`). True when the kernels now come from the artifact."""
+    (after `verify_artifact`). True when the kernels now come from the artifact.
+
+    `signed`: the artifact's signature verified under a trust policy. Weights are data, a
+    program is native code: without a trusted signature the digests only prove that the files
+    match a manifest anyone could have written, so an unsigned artifact's program never runs."""
     digests = {f.path: (f.size, f.sha256) for f in manifest.files}
     for program in manifest.programs:
         if program["device"] != device_type:
             continue
         rel = program["path"]
+        if not signed:
+            logger.warning(
+                "compiled program %s skipped: native code runs only from an artifact whose "
+                "signature verified under --trusted-key; the fused kernels are built here",
+                rel,
+            )
+            return False
         if why_not := target_mismatch(program["target"]):
             logger.warning(
                 "compiled program %s skipped: %s; the fused kernels are built here instead "

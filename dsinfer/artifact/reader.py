@@ -27,7 +27,8 @@ def load_artifact(root: str | Path, policy: TrustPolicy, device: str = "cpu") ->
     t0 = time.perf_counter()
     root = Path(root)
     manifest = verify_artifact(root, policy)
-    use_programs(root, manifest, torch.device(device).type)  # before the backend loads kernels
+    # Before the backend loads kernels; native code only from a trusted signature.
+    use_programs(root, manifest, torch.device(device).type, signed=policy.requires_signature)
     quant = manifest.quantization
     cfg = config_from_dict(manifest.model_config)
     dtype = parse_dtype(quant["dtype"])

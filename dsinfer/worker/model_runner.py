@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from dsinfer.config import CacheConfig
+from dsinfer.config import CacheConfig, EngineConfig
 from dsinfer.distributed.comm import share_with_stage
 from dsinfer.layers.backend import apply_backend
 from dsinfer.models.loader import LoadedModel
@@ -68,11 +68,7 @@ class ModelRunner:
 
     @classmethod
     def for_engine(
-        cls,
-        loaded: LoadedModel,
-        config,
-        device: torch.device,
-        driver: bool = True,  # noqa: ANN001
+        cls, loaded: LoadedModel, config: EngineConfig, device: torch.device, driver: bool = True
     ) -> ModelRunner:
         """The runner an engine config asks for (an EngineConfig: cache, seed, MTP, backend,
         step program); every executor and rank builds it the same way."""

@@ -18,6 +18,7 @@ from dsinfer import LLM, SamplingParams
 from dsinfer.artifact import ArtifactError
 from dsinfer.artifact.manifest import SIGNATURE, read_manifest, write_manifest
 from dsinfer.artifact.programs import CPU_LIBRARY
+from dsinfer.artifact.signing import sign_dir
 from dsinfer.artifact.verify import TrustPolicy, verify_artifact
 from dsinfer.layers.kernels.cpu_build import build_target
 
@@ -47,19 +48,39 @@ def _reseal(art: Path, **changes) -> None:  # noqa: ANN003
 
 
 def test_program_built_for_another_torch_is_skipped_with_the_reason(
-    tiny_artifacts, tmp_path, caplog
+    tiny_artifacts, tmp_path, caplog, keys
 ):
+    """A signed artifact compiled where torch differs: its program is skipped, saying why."""
     art = tmp_path / "art"
     shutil.copytree(tiny_artifacts["int8"], art)
     target = {**build_target(), "torch": "0.0.0"}
     _reseal(art, programs=[{"path": CPU_LIBRARY, "device": "cpu", "target": target}])
+    sign_dir(art, keys[0])
     with caplog.at_level(logging.INFO):
-        llm = LLM(str(art), allow_unsigned=True, num_blocks=16, block_size=4)
+        llm = LLM(str(art), trusted_keys=[str(keys[1])], num_blocks=16, block_size=4)
     assert (
         f"compiled program {CPU_LIBRARY} skipped: built for torch '0.0.0', this machine has "
         f"'{build_target()['torch']}'"
     ) in caplog.text
     assert llm.engine.executor.runner.backend == "fused"  # the kernels built here instead
+    out = llm.generate(["hello"], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("policy", ["allow_unsigned", "no_keys"])
+def test_an_unsigned_artifacts_program_never_runs(tiny_artifacts, tmp_path, caplog, policy):
+    """Digests alone prove only that the files match a manifest anyone could write: native
+    code runs from a trusted signature only; the weights still load."""
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifacts["int8"], art)
+    if policy == "allow_unsigned":
+        (art / SIGNATURE).unlink()
+    options = {"allow_unsigned": True} if policy == "allow_unsigned" else {}
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(art), num_blocks=16, block_size=4, **options)
+    assert f"compiled program {CPU_LIBRARY} skipped: native code runs only from an artifact" in (
+        caplog.text
+    )
     out = llm.generate(["hello"], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2
 
