@@ -76,8 +76,8 @@ class StepProgram:
     ) -> dict[int, int]:
         """Time the program per bucket with all intra-op threads and with fewer; keep the
         fewest within 3% of the fastest. Why: on the 2-vCPU machines here a decode step runs
-        as fast on one thread as on two (its kernels are VNNI/FMA- or memory-bound and the
-        vCPUs share a core's units), while a prefill's bf16 GEMMs gain ~1.6x from the second;
+        as fast on one thread as on two (its kernels are VNNI/FMA- or memory-bound, and the
+        two vCPUs add up like one core's hyperthreads), while a prefill's bf16 GEMMs gain ~1.6x from the second;
         and a server whose engine leaves the second vCPU to the event loop decodes 16 streams
         ~10% faster (ITL p50 48.5 → 42.9 ms, measured). So decode steps take what was
         measured and every other step keeps every thread. Runs
