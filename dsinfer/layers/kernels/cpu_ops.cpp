@@ -813,17 +813,44 @@ inline void quantize_row_q8(const T* x, int64_t K, int8_t* xq, float* dx, float*
   }
 }
 
-// Every row of x [M, K] (contiguous fp32 or bf16), quantised per group of 32.
-inline void quantize_rows_q8(const at::Tensor& x, int8_t* xq, float* dx, float* sx) {
-  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
-  if (x.scalar_type() == at::kBFloat16) {
-    const auto* xp = x.data_ptr<c10::BFloat16>();
-    for (int64_t m = 0; m < M; ++m) quantize_row_q8(xp + m * K, K, xq + m * K, dx + m * G, sx + m * G);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "int8 activations: fp32 or bf16 rows expected");
-    const float* xp = x.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) quantize_row_q8(xp + m * K, K, xq + m * K, dx + m * G, sx + m * G);
+// Every row of x [M, K] (contiguous fp32 or bf16), quantised per group of 32: q [M, K],
+// d and s [M, K / 32] (row m's groups at m · K / 32).
+struct QuantizedRows {
+  int64_t K, G;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+
+  explicit QuantizedRows(const at::Tensor& x)
+      : K(x.size(1)), G(x.size(1) / 32), q(x.size(0) * x.size(1)), d(x.size(0) * G), s(x.size(0) * G) {
+    const int64_t M = x.size(0);
+    if (x.scalar_type() == at::kBFloat16) {
+      const auto* xp = x.data_ptr<c10::BFloat16>();
+      for (int64_t m = 0; m < M; ++m) quantize_row_q8(xp + m * K, K, row_q(m), row_d(m), row_s(m));
+    } else {
+      TORCH_CHECK(x.scalar_type() == at::kFloat, "int8 activations: fp32 or bf16 rows expected");
+      const float* xp = x.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) quantize_row_q8(xp + m * K, K, row_q(m), row_d(m), row_s(m));
+    }
   }
+  int8_t* row_q(int64_t m) { return q.data() + m * K; }
+  float* row_d(int64_t m) { return d.data() + m * G; }
+  float* row_s(int64_t m) { return s.data() + m * G; }
+};
+
+// The loop both VNNI kernels share: every block of 16 outputs, every chunk of rows (the
+// block's weights stay in cache for all of them). block(ob, m0, rows, tile) fills
+// tile[rows][16]; store(m, o, value) writes one output.
+template <typename Block, typename Store>
+inline void for_output_blocks(int64_t M, int64_t OB, int64_t grain, Block&& block, Store&& store) {
+  at::parallel_for(0, OB, grain, [&](int64_t ob0, int64_t ob1) {
+    float tile[4 * 16];
+    for (int64_t ob = ob0; ob < ob1; ++ob)
+      in_row_chunks(M, [&](int64_t m0, auto rows) {
+        block(ob, m0, rows, tile);
+        for (int64_t m = 0; m < decltype(rows)::value; ++m)
+          for (int64_t l = 0; l < 16; ++l) store(m0 + m, ob * 16 + l, tile[m * 16 + l]);
+      });
+  });
 }
 
 inline __m512 load_bf16x16(const c10::BFloat16* p) { return load16(p); }
@@ -872,27 +899,19 @@ at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& codes, const 
   TORCH_CHECK(codes.size(1) * 8 == K && sz.size(1) == G, "int4_vnni_linear: shape mismatch");
   auto out = at::empty({M, O}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * G), sx(M * G);
-  quantize_rows_q8(x, xq.data(), dx.data(), sx.data());
+  QuantizedRows xq(x);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const auto* szp = sz.data_ptr<c10::BFloat16>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_vnni_linear", [&] {
     using T = scalar_t;
     T* op = out.data_ptr<T>();
-    at::parallel_for(0, OB, 4, [&](int64_t ob0, int64_t ob1) {
-      float tile[4 * 16];
-      for (int64_t ob = ob0; ob < ob1; ++ob) {
-        const uint8_t* c = cp + ob * (K / 8) * 64;
-        const c10::BFloat16* s = szp + ob * G * 32;
-        in_row_chunks(M, [&](int64_t m0, auto rows) {
-          constexpr int R = decltype(rows)::value;
-          vnni_block<R>(c, s, K, xq.data() + m0 * K, dx.data() + m0 * G, sx.data() + m0 * G, tile);
-          for (int64_t m = 0; m < R; ++m)
-            for (int64_t l = 0; l < 16; ++l) op[(m0 + m) * O + ob * 16 + l] = from_f32<T>(tile[m * 16 + l]);
-        });
-      }
-    });
+    for_output_blocks(
+        M, OB, 4,
+        [&](int64_t ob, int64_t m0, auto rows, float* tile) {
+          vnni_block<decltype(rows)::value>(cp + ob * (K / 8) * 64, szp + ob * G * 32, K, xq.row_q(m0),
+                                            xq.row_d(m0), xq.row_s(m0), tile);
+        },
+        [&](int64_t m, int64_t o, float v) { op[m * O + o] = from_f32<T>(v); });
   });
 #endif
   return out;
@@ -938,6 +957,11 @@ at::Tensor int4_vnni_dequantize_t(const at::Tensor& codes, const at::Tensor& sz)
 // the weights are repacked once after loading: [O/16, K/4, 64] bytes, lane l of a 64-byte row
 // holding w[16·ob + l][4·q .. 4·q + 3] + 128 (vpdpbusd takes one unsigned operand).
 //   y[m, o] = s[o] · (Σ_g dx[m, g] · Σ_{k∈g} (w[o, k] + 128) · xq[m, k] − 128 · Σ_g dx[m, g] Σ_{k∈g} xq[m, k])
+// Where weight w[row][k] sits in the packed int8 layout (Q = K / 4 quads a row block).
+inline int64_t int8_vnni_at(int64_t Q, int64_t row, int64_t k) {
+  return ((row / 16) * Q + k / 4) * 64 + (row % 16) * 4 + k % 4;
+}
+
 at::Tensor int8_vnni_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar,
               "int8_vnni_pack: int8 [O, K] expected");
@@ -946,13 +970,10 @@ at::Tensor int8_vnni_pack(const at::Tensor& w) {
   auto packed = at::empty({O / 16, K / 4, 64}, w.options().dtype(at::kByte));
   const int8_t* wp = w.data_ptr<int8_t>();
   uint8_t* pp = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, O / 16, 1, [&](int64_t ob0, int64_t ob1) {
-    for (int64_t ob = ob0; ob < ob1; ++ob)
-      for (int64_t q = 0; q < K / 4; ++q)
-        for (int64_t l = 0; l < 16; ++l)
-          for (int64_t j = 0; j < 4; ++j)
-            pp[(ob * (K / 4) + q) * 64 + l * 4 + j] =
-                static_cast<uint8_t>(static_cast<int>(wp[(ob * 16 + l) * K + 4 * q + j]) + 128);
+  at::parallel_for(0, O, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row)
+      for (int64_t k = 0; k < K; ++k)
+        pp[int8_vnni_at(K / 4, row, k)] = static_cast<uint8_t>(static_cast<int>(wp[row * K + k]) + 128);
   });
   return packed;
 }
@@ -966,13 +987,10 @@ at::Tensor int8_vnni_dequantize_t(const at::Tensor& packed) {
   auto out = at::empty({K, O}, packed.options().dtype(at::kBFloat16));
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   auto* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, K / 4, 1, [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q)
-      for (int64_t ob = 0; ob < OB; ++ob)
-        for (int64_t l = 0; l < 16; ++l)
-          for (int64_t j = 0; j < 4; ++j)
-            op[(4 * q + j) * O + ob * 16 + l] =
-                c10::BFloat16(static_cast<float>(static_cast<int>(pp[(ob * (K / 4) + q) * 64 + l * 4 + j]) - 128));
+  at::parallel_for(0, K, 4, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k)
+      for (int64_t row = 0; row < O; ++row)
+        op[k * O + row] = c10::BFloat16(static_cast<float>(static_cast<int>(pp[int8_vnni_at(K / 4, row, k)]) - 128));
   });
   return out;
 }
@@ -997,12 +1015,10 @@ at::Tensor int8_vnni_rows(const at::Tensor& packed, const at::Tensor& scales, co
     auto* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t row = ip[t], ob = row / 16, l = row % 16;
-        const float s = sp[row];
-        for (int64_t q = 0; q < Q; ++q)
-          for (int64_t j = 0; j < 4; ++j)
-            op[t * K + 4 * q + j] = from_f32<scalar_t>(
-                static_cast<float>(static_cast<int>(pp[(ob * Q + q) * 64 + l * 4 + j]) - 128) * s);
+        const int64_t row = ip[t];
+        for (int64_t k = 0; k < K; ++k)
+          op[t * K + k] = from_f32<scalar_t>(
+              static_cast<float>(static_cast<int>(pp[int8_vnni_at(Q, row, k)]) - 128) * sp[row]);
       }
     });
   });
@@ -1043,38 +1059,25 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const
   auto out = at::empty({M, O}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
   const at::Tensor sf = scales.to(at::kFloat).contiguous();
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * G), sx(M * G), corr(M, 0.f);
-  quantize_rows_q8(x, xq.data(), dx.data(), sx.data());
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {  // the +128 of the weights, per row: 128 · Σ_g dx Σ xq
+  QuantizedRows xq(x);
+  std::vector<float> corr(M, 0.f);  // the +128 of the weights, per row: 128 · Σ_g dx Σ xq
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
       int32_t sum = 0;
-      for (int64_t k = 0; k < 32; ++k) sum += xq[m * K + g * 32 + k];
-      corr[m] += dx[m * G + g] * 128.f * static_cast<float>(sum);
+      for (int64_t k = 0; k < 32; ++k) sum += xq.row_q(m)[g * 32 + k];
+      corr[m] += xq.row_d(m)[g] * 128.f * static_cast<float>(sum);
     }
-  }
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = sf.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int8_vnni_linear", [&] {
     using T = scalar_t;
     T* op = out.data_ptr<T>();
-    // Per block of 16 outputs, every chunk of rows: each block's weights (K · 16 bytes) are
-    // read once for all rows.
-    at::parallel_for(0, OB, 16, [&](int64_t ob0, int64_t ob1) {
-      float tile[4 * 16];
-      for (int64_t ob = ob0; ob < ob1; ++ob) {
-        const uint8_t* wb = pp + ob * (K / 4) * 64;
-        in_row_chunks(M, [&](int64_t m0, auto rows) {
-          constexpr int R = decltype(rows)::value;
-          vnni8_block<R>(wb, K, xq.data() + m0 * K, dx.data() + m0 * G, tile);
-          for (int64_t m = 0; m < R; ++m)
-            for (int64_t l = 0; l < 16; ++l) {
-              const int64_t o = ob * 16 + l;
-              op[(m0 + m) * O + o] = from_f32<T>(sp[o] * (tile[m * 16 + l] - corr[m0 + m]));
-            }
-        });
-      }
-    });
+    for_output_blocks(
+        M, OB, 16,
+        [&](int64_t ob, int64_t m0, auto rows, float* tile) {
+          vnni8_block<decltype(rows)::value>(pp + ob * (K / 4) * 64, K, xq.row_q(m0), xq.row_d(m0), tile);
+        },
+        [&](int64_t m, int64_t o, float v) { op[m * O + o] = from_f32<T>(sp[o] * (v - corr[m])); });
   });
 #endif
   return out;
