@@ -177,10 +177,9 @@ class Int8LinearMethod(LinearMethod):
 
     def rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows of the dequantised weight, W[ids] [T, in] in `dtype` (a tied embedding's
-        lookup)."""
-        if self.vnni:
-            return torch.ops.dsinfer.int8_vnni_rows(layer.qweight, layer.scales, ids, dtype)
-        return (layer.qweight[ids].float() * layer.scales[ids].float()[:, None]).to(dtype)
+        lookup, once the layer is repacked: LMHead.use_kernels asks only then)."""
+        assert self.vnni, "rows are read from the repacked layout"
+        return torch.ops.dsinfer.int8_vnni_rows(layer.qweight, layer.scales, ids, dtype)
 
     def program_operand(self, layer: nn.Module) -> ProgramOperand | None:
         # The program applies the same rules with the fused kernels (the fused backend only).

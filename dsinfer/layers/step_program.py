@@ -85,6 +85,9 @@ class StepProgram:
         later use writes a slot before reading it)."""
         most = torch.get_num_threads()
         candidates = sorted({most, max(1, most // 2), 1}, reverse=True)
+        if len(candidates) == 1:  # one thread: nothing to choose, nothing to time
+            self.threads = {rows: most for rows in TUNED_BUCKETS}
+            return self.threads
         g = torch.Generator().manual_seed(0)
         chosen: dict[int, int] = {}
         for rows in (r for r in TUNED_BUCKETS if r <= num_blocks):

@@ -49,7 +49,7 @@ class ModelRunner:
         self.kv_caches, self.num_blocks = allocate_kv_cache(
             loaded.config, cache, loaded.dtype, device
         )
-        self.step_program = self._capture_step_program(step_program)
+        self._capture_step_program(step_program)
         self.sampler = Sampler()
         # Self-speculative decoding with the model's MTP layer, when it has one and it is on.
         self.drafter = (
@@ -83,18 +83,21 @@ class ModelRunner:
             step_program=config.step_program,
         )
 
-    def _capture_step_program(self, wanted: bool) -> bool:
+    @property
+    def step_program(self) -> bool:
+        """Whether decode-only steps run as the model's captured program."""
+        return getattr(self.model, "step_program", None) is not None
+
+    def _capture_step_program(self, wanted: bool) -> None:
         """Capture the decode step as one program (fused backend, a model that can) once the
         KV pool is bound; logs whether decode steps run captured or layer by layer."""
         capture = getattr(self.model, "capture_step_program", None)
         if not wanted or self.backend != "fused" or capture is None:
-            return False
-        why_not = capture(self.kv_caches)
-        if why_not:
+            return
+        if why_not := capture(self.kv_caches):
             logger.info("decode steps run layer by layer: %s", why_not)
-            return False
-        logger.info("decode steps run as one captured program (layers/step_program.py)")
-        return True
+        else:
+            logger.info("decode steps run as one captured program (layers/step_program.py)")
 
     def _new_generator(self, seed: int | None) -> torch.Generator:
         if seed is None:
