@@ -68,9 +68,16 @@ def _paged_step(dtype: torch.dtype, lens: list[int], heads: int, kv: int, d: int
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2), (9, 3)])
-def test_paged_decode_attention_matches_reference(dtype: torch.dtype, heads: int, kv: int) -> None:
-    d = 16
-    qkv, rope, caches, meta = _paged_step(dtype, [1, 5, 9, 23], heads, kv, d)
+@pytest.mark.parametrize(
+    "d,bs",
+    # head dims of 1, 4 and 8 vectors; blocks shorter than, equal to and longer than a run of
+    # 16 tokens (partial runs, whole runs, two runs a block); d=24: the generic loops.
+    [(16, 4), (64, 16), (128, 32), (64, 8), (24, 16)],
+)
+def test_paged_decode_attention_matches_reference(
+    dtype: torch.dtype, heads: int, kv: int, d: int, bs: int
+) -> None:
+    qkv, rope, caches, meta = _paged_step(dtype, [1, 5, 9, 23, 16, 70], heads, kv, d, bs)
     ref_caches = tuple(c.clone() for c in caches)
     shape = dict(num_heads=heads, num_kv_heads=kv, head_dim=d, scale=d**-0.5)
     want = TorchPagedAttention(**shape).forward_qkv(qkv, rope, ref_caches, meta)

@@ -279,8 +279,18 @@ inline void widen(const R* src, float* dst, int64_t n) {
 // row[t] = exp(row[t] - m); returns the sum.
 inline float exp_row(float* row, int64_t n, float m) {
   float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t t = 0; t < n; ++t) {
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + t), mv));
+    _mm512_storeu_ps(row + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; t < n; ++t) {
     row[t] = exp_f32(row[t] - m);
     total += row[t];
   }
@@ -288,51 +298,140 @@ inline float exp_row(float* row, int64_t n, float m) {
 }
 
 // Scores and the probability-weighted value sum of one (sequence, KV head), head dim a
-// multiple of 16 up to 128: a query head's accumulators stay in registers across the tokens
-// (the generic loops keep them in memory). False: the caller runs the generic loops.
-// Whole 16-lane vectors per head row, at most 8 of them (the register arrays below).
+// multiple of 16 up to 128, walked block by block: a block's tokens are contiguous rows, so
+// no per-token table lookup (an integer division each), and its keys and values stay in L1
+// while the group's G query heads use them. False: the caller runs the generic loops.
 inline bool avx_head_dim(int64_t D) { return D % 16 == 0 && D <= 128; }
 
-template <typename T, typename Rows>
-bool head_scores(const float* q, int64_t G, int64_t D, int64_t len, const Rows& key, float sc,
-                 float* scores) {
+#if defined(__AVX512F__)
+// r[t] = the sum of a[t]'s 16 lanes, for 16 vectors at once: a transpose-and-add tree of 45
+// shuffles and adds (a horizontal sum per vector costs ~8 dependent ones, a score each).
+inline __m512 sum_lanes16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a2i, a2i+1, a2i, a2i+1] partial sums
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: [a4i, a4i+1, a4i+2, a4i+3] partial sums
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Add the four 128-bit lanes of each c[i]: lane i of the result is c[i]'s total, in order.
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], kEven), _mm512_shuffle_f32x4(c[0], c[1], kOdd));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], kEven), _mm512_shuffle_f32x4(c[2], c[3], kOdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, kEven), _mm512_shuffle_f32x4(d0, d1, kOdd));
+}
+#endif
+
+// Calls f(first token, its row pointer, tokens) for runs of at most 16 consecutive cached
+// tokens that lie inside one block; block(j) is block j's first row ([bs, D] contiguous).
+template <typename Block, typename F>
+inline void for_token_runs(int64_t len, int64_t bs, int64_t D, const Block& block, const F& f) {
+  for (int64_t j = 0; j * bs < len; ++j) {
+    const auto* rows = block(j);
+    const int64_t nj = std::min(bs, len - j * bs);
+    for (int64_t c = 0; c < nj; c += 16) f(j * bs + c, rows + c * D, std::min<int64_t>(16, nj - c));
+  }
+}
+
+#if defined(__AVX512F__)
+// A run of 16 cached rows of D = 16·V elements as fp32: the rows themselves (fp32, a whole
+// run), else widened (bf16) or copied into `buf` with the rows past n zeroed, so the loops
+// below always see 16 rows they may read.
+template <int V>
+inline const float* run_f32(const float* rows, int64_t n, float* buf) {
+  if (n == 16) return rows;
+  std::copy(rows, rows + n * V * 16, buf);
+  std::fill(buf + n * V * 16, buf + 16 * V * 16, 0.f);
+  return buf;
+}
+template <int V>
+inline const float* run_f32(const c10::BFloat16* rows, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n * V; ++i) _mm512_storeu_ps(buf + i * 16, load16(rows + i * 16));
+  std::fill(buf + n * V * 16, buf + 16 * V * 16, 0.f);
+  return buf;
+}
+
+// scores[g, t] = sc · q[g] · key[t] for the G heads of one KV head; buf: 16 · D floats.
+// Each head's 16 dot products of a run are summed across lanes together (sum_lanes16).
+template <int V, typename T, typename Block>
+void head_scores_avx(const float* q, int64_t G, int64_t len, int64_t bs, const Block& key,
+                     float sc, float* scores, float* buf) {
+  constexpr int64_t D = V * 16;
+  const __m512 scale = _mm512_set1_ps(sc);
+  for_token_runs(len, bs, D, key, [&](int64_t t0, const T* rows, int64_t n) {
+    const float* k = run_f32<V>(rows, n, buf);
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 qv[V], acc[16];
+      for (int v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + g * D + v * 16);
+      for (int t = 0; t < 16; ++t) {
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + t * D));
+        for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k + t * D + v * 16), a);
+        acc[t] = a;
+      }
+      _mm512_mask_storeu_ps(scores + g * len + t0, live, _mm512_mul_ps(sum_lanes16(acc), scale));
+    }
+  });
+}
+
+// out[g] = Σ_t probs[g, t] · value[t] for the G heads of one KV head; buf: 16 · D floats.
+template <int V, typename T, typename Block>
+void head_values_avx(const float* probs, int64_t G, int64_t len, int64_t bs, const Block& value,
+                     float* out, float* buf) {
+  constexpr int64_t D = V * 16;
+  std::fill(out, out + G * D, 0.f);
+  for_token_runs(len, bs, D, value, [&](int64_t t0, const T* rows, int64_t n) {
+    const float* vals = run_f32<V>(rows, n, buf);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = probs + g * len + t0;
+      __m512 acc[V];
+      for (int v = 0; v < V; ++v) acc[v] = _mm512_loadu_ps(out + g * D + v * 16);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 p = _mm512_set1_ps(pg[t]);
+        for (int v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vals + t * D + v * 16), acc[v]);
+      }
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + v * 16, acc[v]);
+    }
+  });
+}
+
+// f.operator()<V>() for V = D / 16 in 1..8: the register arrays above need V at compile time.
+template <typename F>
+inline void with_vectors(int64_t D, const F& f) {
+  switch (D / 16) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    case 7: f.template operator()<7>(); break;
+    default: f.template operator()<8>(); break;
+  }
+}
+#endif
+
+template <typename T, typename Block>
+bool head_scores(const float* q, int64_t G, int64_t D, int64_t len, int64_t bs, const Block& key,
+                 float sc, float* scores, float* buf) {
 #if defined(__AVX512F__)
   if constexpr (kAvxElement<T>) {
     if (!avx_head_dim(D)) return false;
-    const int64_t V = D / 16;
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 qv[8];
-      for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(q + g * D + v * 16);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* kr = key(t);
-        __m512 acc = _mm512_mul_ps(qv[0], load16(kr));
-        for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(qv[v], load16(kr + v * 16), acc);
-        scores[g * len + t] = _mm512_reduce_add_ps(acc) * sc;
-      }
-    }
+    with_vectors(D, [&]<int V>() { head_scores_avx<V, T>(q, G, len, bs, key, sc, scores, buf); });
     return true;
   }
 #endif
   return false;
 }
 
-template <typename T, typename Rows>
-bool head_values(const float* probs, int64_t G, int64_t D, int64_t len, const Rows& value,
-                 float* out) {
+template <typename T, typename Block>
+bool head_values(const float* probs, int64_t G, int64_t D, int64_t len, int64_t bs,
+                 const Block& value, float* out, float* buf) {
 #if defined(__AVX512F__)
   if constexpr (kAvxElement<T>) {
     if (!avx_head_dim(D)) return false;
-    const int64_t V = D / 16;
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc[8];
-      for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; ++t) {
-        const T* vr = value(t);
-        const __m512 p = _mm512_set1_ps(probs[g * len + t]);
-        for (int64_t v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(p, load16(vr + v * 16), acc[v]);
-      }
-      for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(out + g * D + v * 16, acc[v]);
-    }
+    with_vectors(D, [&]<int V>() { head_values_avx<V, T>(probs, G, len, bs, value, out, buf); });
     return true;
   }
 #endif
@@ -389,7 +488,7 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
     const float* sp = sin.data_ptr<float>();
     const float sc = static_cast<float>(scale);
     at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q(G * D), k(D), acc(G * D), scores;
+      std::vector<float> q(G * D), k(D), acc(G * D), buf(16 * D), scores;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / KV, kvh = task % KV, len = lens[b], pos = len - 1;
         const T* row = qp + b * (H + 2 * KV) * D;
@@ -406,10 +505,12 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
         for (int64_t g = 0; g < G; ++g) {
           rotate(row + (kvh * G + g) * D, cp + pos * D, sp + pos * D, q.data() + g * D, D);
         }
-        scores.assign(G * len, 0.f);
+        scores.resize(G * len);
         const auto key = [&](int64_t t) { return kc + ((table[t / bs] * KV + kvh) * bs + t % bs) * D; };
         const auto value = [&](int64_t t) { return vc + ((table[t / bs] * KV + kvh) * bs + t % bs) * D; };
-        if (!head_scores<T>(q.data(), G, D, len, key, sc, scores.data())) {
+        const auto key_block = [&](int64_t j) -> const T* { return kc + (table[j] * KV + kvh) * bs * D; };
+        const auto value_block = [&](int64_t j) -> const T* { return vc + (table[j] * KV + kvh) * bs * D; };
+        if (!head_scores<T>(q.data(), G, D, len, bs, key_block, sc, scores.data(), buf.data())) {
           for (int64_t t = 0; t < len; ++t) {
             const T* kr = key(t);
             for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot(q.data() + g * D, kr, D) * sc;
@@ -424,7 +525,7 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
           total = exp_row(sg, len, m);
           denom[g] = total;
         }
-        if (!head_values<T>(scores.data(), G, D, len, value, acc.data())) {
+        if (!head_values<T>(scores.data(), G, D, len, bs, value_block, acc.data(), buf.data())) {
           for (int64_t t = 0; t < len; ++t) {
             const T* vr = value(t);
             for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + t], vr, acc.data() + g * D, D);
