@@ -27,7 +27,11 @@ import torch
 logger = logging.getLogger(__name__)
 # One translation unit: the step program calls the kernels of cpu_ops.cpp as plain functions.
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "step_program.cpp"))
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno")
+# -fopenmp: at::parallel_for is a header template that parallelises only in code compiled
+# with OpenMP; without it every kernel ran on one thread. Linked by soname, libgomp resolves
+# to the copy torch has already loaded (one thread pool, not two).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+LDFLAGS = ("-fopenmp",)
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}
 
@@ -55,7 +59,7 @@ def build_target() -> dict[str, str]:
     return {
         "torch": torch.__version__,
         "sources": _digest(*(source.read_bytes() for source in SOURCES)),
-        "cflags": " ".join(CFLAGS),
+        "cflags": " ".join(CFLAGS + LDFLAGS),
         "cpu_flags": _digest(cpu_flags().encode()),
     }
 
@@ -87,7 +91,7 @@ def build_key() -> str:
         *(source.read_bytes() for source in SOURCES),
         torch.__version__.encode(),
         torch.__file__.encode(),
-        " ".join(CFLAGS).encode(),
+        " ".join(CFLAGS + LDFLAGS).encode(),
     ):
         h.update(part)
     h.update(cpu_flags().encode())
@@ -156,6 +160,7 @@ def _load() -> str | None:
             is_python_module=False,
             build_directory=str(out),
             extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - any compiler or loader failure means "fall back"
