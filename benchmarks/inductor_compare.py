@@ -51,7 +51,9 @@ def _decode_step(llm: LLM, rows: int, context: int, program: bool) -> Callable[[
     if not program:
         model.step_program = None
     tables = [engine.pool.allocate(-(-(context + 1) // bs)) for _ in range(rows)]
-    seqs = [ScheduledSeq(f"s{i}", [100 + i], context, t, do_sample=True) for i, t in enumerate(tables)]
+    seqs = [
+        ScheduledSeq(f"s{i}", [100 + i], context, t, do_sample=True) for i, t in enumerate(tables)
+    ]
     inp = build_model_input(seqs, bs, runner.device)
 
     def step() -> torch.Tensor:
