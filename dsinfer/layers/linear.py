@@ -32,6 +32,7 @@ class ProgramOperand:
     kind: int
     a: torch.Tensor
     b: torch.Tensor | None = None
+    dense_from_rows: int = 0  # int4: widen to bf16 for one GEMM from this many rows
 
 
 class LinearMethod:

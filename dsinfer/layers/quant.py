@@ -225,9 +225,6 @@ class Int4LinearMethod(LinearMethod):
         self.dense_rows = _INT4_DENSE_FROM_ROWS if ok else 0
         if ok and self.group_size == 32 and torch.ops.dsinfer.int4_vnni_supported():
             self._repack_for_vnni(layer)
-            # The int8-dot kernel beats widening + a bf16 GEMM at every row count measured
-            # (16 to 1,024 rows: 15-65% faster on 2 cores; docs/backends.md): no crossover.
-            self.dense_rows = 0
 
     def _repack_for_vnni(self, layer: nn.Module) -> None:
         """Post-load preparation for the fused backend: torch's packed layout → the int8-dot
@@ -253,8 +250,11 @@ class Int4LinearMethod(LinearMethod):
         flat = _rows(x)
         many = self.dense_rows and flat.shape[0] >= self.dense_rows
         if self.vnni:
-            # int4 × int8 dot products, activations quantised per group of 32 as llama.cpp
-            # does, for decode rows and prefill chunks alike.
+            # Few rows: int4 × int8 dot products (activations quantised per group of 32, as
+            # llama.cpp does); many rows: the weight widened to bf16 for one dense GEMM.
+            if many and flat.dtype == torch.bfloat16:
+                wt = torch.ops.dsinfer.int4_vnni_dequantize_t(layer.qweight, layer.scales_zeros)
+                return _finish(flat @ wt, x, bias)
             return _finish(
                 torch.ops.dsinfer.int4_vnni_linear(flat, layer.qweight, layer.scales_zeros), x, bias
             )
@@ -274,7 +274,9 @@ class Int4LinearMethod(LinearMethod):
         # The program's int4 kernels are the VNNI layout's (groups of 32, repacked at load).
         if not self.vnni:
             return None
-        return ProgramOperand(ProgramOperand.INT4_VNNI, layer.qweight, layer.scales_zeros)
+        return ProgramOperand(
+            ProgramOperand.INT4_VNNI, layer.qweight, layer.scales_zeros, self.dense_rows
+        )
 
 
 def int4_unsupported_reason(out_features: int, in_features: int, group_size: int) -> str | None:

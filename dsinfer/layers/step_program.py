@@ -165,7 +165,7 @@ def capture_step_program(
         for lin, op in zip((layer.qkv, layer.o, layer.gate_up, layer.down), operands, strict=True):
             assert isinstance(op, ProgramOperand)
             bias = None if lin.bias is None else lin.bias.data
-            program.add_linear(op.kind, op.a.data, _second(op), bias)
+            program.add_linear(op.kind, op.a.data, _second(op), bias, op.dense_from_rows)
     return StepProgram(program)
 
 

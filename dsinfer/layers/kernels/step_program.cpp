@@ -28,6 +28,7 @@ struct ProgramLinear {
   at::Tensor b;  // int4: scales/zeros [O/16, G, 2, 16] bf16; int8: scales [O]
                  // (int8 VNNI: a is the packed weight [O/16, K/4, 64])
   c10::optional<at::Tensor> bias;
+  int64_t dense_from_rows = 0;  // int4: widen to bf16 for one GEMM from this many rows
 };
 
 // The rules of the Python methods (quant.py: Int4LinearMethod.apply with the VNNI layout,
@@ -38,11 +39,19 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
   switch (l.kind) {
     case kDense:
       return at::linear(x, l.a, l.bias);  // F.linear: the bias inside the GEMM
-    case kInt4Vnni: {
-      DSINFER_RANGE("dsinfer::int4_vnni_linear");
-      y = int4_vnni_linear(x, l.a, l.b);
+    case kInt4Vnni:
+      if (l.dense_from_rows > 0 && rows >= l.dense_from_rows && x.scalar_type() == at::kBFloat16) {
+        at::Tensor wt;
+        {
+          DSINFER_RANGE("dsinfer::int4_vnni_dequantize_t");
+          wt = int4_vnni_dequantize_t(l.a, l.b);
+        }
+        y = at::mm(x, wt);
+      } else {
+        DSINFER_RANGE("dsinfer::int4_vnni_linear");
+        y = int4_vnni_linear(x, l.a, l.b);
+      }
       break;
-    }
     case kInt8: {
       const int64_t O = l.a.size(0), K = l.a.size(1);
       if (rows <= 64 && O >= 8192) {
@@ -93,10 +102,11 @@ struct DecodeProgram : torch::CustomClassHolder {
   }
 
   // Appends a projection to the last layer, in the order qkv, o, gate|up, down.
-  void add_linear(int64_t kind, at::Tensor a, at::Tensor b, c10::optional<at::Tensor> bias) {
+  void add_linear(int64_t kind, at::Tensor a, at::Tensor b, c10::optional<at::Tensor> bias,
+                  int64_t dense_from_rows) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "step program: add_layer first");
     TORCH_CHECK(kind >= kDense && kind <= kInt8Vnni, "step program: unknown kind ", kind);
-    layers_.back().linears.push_back({kind, std::move(a), std::move(b), std::move(bias)});
+    layers_.back().linears.push_back({kind, std::move(a), std::move(b), std::move(bias), dense_from_rows});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
