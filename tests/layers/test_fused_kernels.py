@@ -116,6 +116,49 @@ def test_mixed_step_runs_prefill_rows_on_the_reference() -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv,d,bs,q_len,ctx",
+    [
+        (9, 3, 64, 16, 20, 100),  # SmolLM2's heads: a later chunk of a long prompt
+        (9, 3, 64, 16, 1, 33),  # one query
+        (4, 4, 16, 4, 5, 9),  # tiny blocks: runs shorter than 16 keys
+        (6, 2, 128, 32, 70, 90),  # two runs a block, a partial last tile of queries
+        (8, 1, 64, 8, 17, 50),  # 8 query heads on one KV head
+    ],
+)
+def test_prefill_chunk_with_cached_context_matches_reference(
+    dtype: torch.dtype, heads: int, kv: int, d: int, bs: int, q_len: int, ctx: int
+) -> None:
+    """A prefill chunk whose sequence has ctx − q_len tokens cached before it: the fused
+    backend attends from the pages in one kernel, the reference gathers, masks and runs SDPA.
+    Same cache writes, same outputs (fp32: to rounding; bf16: one rounding of the output)."""
+    g = torch.Generator().manual_seed(6)
+    need = -(-ctx // bs)
+    nblocks = need + 4
+    k_cache = torch.randn(nblocks, kv, bs, d, generator=g).to(dtype)
+    v_cache = torch.randn(nblocks, kv, bs, d, generator=g).to(dtype)
+    table = torch.randperm(nblocks, generator=g)[:need]
+    positions = torch.arange(ctx - q_len, ctx)
+    qkv = torch.randn(q_len, (heads + 2 * kv) * d, generator=g).to(dtype)
+    rope = RotaryEmbedding(d, 256, RopeConfig()).cos_sin(positions, dtype)
+    meta = AttentionMetadata(
+        slot_blocks=table[positions // bs],
+        slot_offsets=positions % bs,
+        num_decode=0,
+        decode_block_tables=None,
+        decode_mask=None,
+        prefills=(PrefillSeq(0, q_len, ctx, table),),
+    )
+    ref_caches = (k_cache.clone(), v_cache.clone())
+    shape = dict(num_heads=heads, num_kv_heads=kv, head_dim=d, scale=d**-0.5)
+    want = TorchPagedAttention(**shape).forward_qkv(qkv, rope, ref_caches, meta)
+    got = FusedCpuPagedAttention(**shape).forward_qkv(qkv, rope, (k_cache, v_cache), meta)
+    assert torch.equal(k_cache, ref_caches[0]) and torch.equal(v_cache, ref_caches[1])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
 def test_int8_head_kernel_matches_dequantised_matmul_and_is_batch_invariant(rows: int) -> None:
     g = torch.Generator().manual_seed(2)

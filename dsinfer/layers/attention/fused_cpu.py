@@ -8,15 +8,18 @@ MLA: the absorbed decode attends in latent space straight from the paged latent 
 kernel for the batch's decode rows); the two small per-head projections around it (into latent
 space through W_UK, back through W_UV) stay batched GEMMs.
 
-Prefill chunks (many queries per sequence) run on the reference backend, whose path is already
-one SDPA kernel per sequence.
+Prefill chunks: the reference backend's rotary and KV write; a chunk with nothing cached before
+it keeps the reference's one causal SDPA; a chunk with a cached context (a long prompt's later
+chunks, prefix-cache hits) attends from the paged cache in one kernel (flash-style, 16 queries a
+vector; no gathered copy of the context, no mask tensor, no fp32 copies): ~2x the reference's
+gather + masked SDPA at 1,024 queries × 4,000 tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsinfer.layers.attention.backend import AttentionMetadata
+from dsinfer.layers.attention.backend import AttentionMetadata, PrefillSeq
 from dsinfer.layers.attention.mla import MLAPagedAttention
 from dsinfer.layers.attention.registry import register_attention
 from dsinfer.layers.attention.torch_paged import TorchPagedAttention
@@ -63,6 +66,35 @@ class FusedCpuPagedAttention(TorchPagedAttention):
         rest_rope = StepRope(rope.cos[nd:], rope.sin[nd:], rope.table_cos, rope.table_sin)
         rest = super().forward_qkv(qkv[nd:], rest_rope, kv_cache, meta.without_decodes())
         return torch.cat([decoded, rest])
+
+    def _prefill_seq(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        p: PrefillSeq,
+    ) -> torch.Tensor:
+        # Nothing cached before the chunk: the reference's SDPA on the fresh keys is one causal
+        # kernel already (as fast as ours, measured). With a cached context (later chunks of a
+        # long prompt, prefix-cache hits) it gathers the context, copies it to fp32 and masks:
+        # there the kernel reads the pages in place, ~2x faster at 1,024 × 4,000.
+        k_cache, v_cache = kv_cache
+        if (
+            p.ctx_len == p.q_len
+            or q.dtype not in _KERNEL_DTYPES
+            or k_cache.dtype != q.dtype
+            or not torch.ops.dsinfer.paged_prefill_supported(self.head_dim, self.group)
+        ):
+            return super()._prefill_seq(q, k, v, kv_cache, p)
+        return torch.ops.dsinfer.paged_prefill_attention(
+            q.contiguous(),  # [Q, H, D]: a view into the rotated q|k rows
+            k_cache,
+            v_cache,
+            p.block_table,
+            p.ctx_len,
+            self.scale,
+        )
 
 
 @register_attention("fused", "cpu", "mla")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsinfer.layers.attention.backend import AttentionMetadata, MHABackend
+from dsinfer.layers.attention.backend import AttentionMetadata, MHABackend, PrefillSeq
 from dsinfer.layers.attention.registry import register_attention
 from dsinfer.layers.rotary import StepRope, apply_rotary
 
@@ -50,14 +50,26 @@ class TorchPagedAttention(MHABackend):
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], k_cache, v_cache, meta)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            if p.ctx_len == p.q_len:  # nothing cached before: use the fresh keys directly
-                ks = k[rows].transpose(0, 1)  # [KV, C, D]
-                vs = v[rows].transpose(0, 1)
-            else:
-                ks = self._gather_seq(k_cache, p.block_table, p.ctx_len)
-                vs = self._gather_seq(v_cache, p.block_table, p.ctx_len)
-            out[rows] = self._prefill(q[rows], ks, vs, p.ctx_len - p.q_len)
+            out[rows] = self._prefill_seq(q[rows], k[rows], v[rows], kv_cache, p)
         return out
+
+    def _prefill_seq(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        p: PrefillSeq,
+    ) -> torch.Tensor:
+        """One sequence's chunk: q [Q, H, D] and its k, v [Q, KV, D], already in the cache,
+        attend causally to the sequence's ctx_len tokens → [Q, H, D]."""
+        if p.ctx_len == p.q_len:  # nothing cached before: use the fresh keys directly
+            ks = k.transpose(0, 1)  # [KV, C, D]
+            vs = v.transpose(0, 1)
+        else:
+            ks = self._gather_seq(kv_cache[0], p.block_table, p.ctx_len)
+            vs = self._gather_seq(kv_cache[1], p.block_table, p.ctx_len)
+        return self._prefill(q, ks, vs, p.ctx_len - p.q_len)
 
     def _gather_seq(self, cache: torch.Tensor, table: torch.Tensor, ctx: int) -> torch.Tensor:
         blocks = _gather_blocks(cache, table).view(-1, *cache.shape[1:])  # [NB, KV, bs, D]

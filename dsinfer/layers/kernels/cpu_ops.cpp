@@ -542,6 +542,140 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
   return out;
 }
 
+#if defined(__AVX512F__)
+// One (KV head, tile of 16 queries) of a prefill chunk, flash-style: the 16 queries sit in the
+// lanes of a vector, so scores, the running max and sum, and the output (kept transposed,
+// [D][16 queries]) all update lane-wise, with no horizontal sums; keys come in runs of 16
+// from the block table, widened to fp32 once for the group's G heads.
+//   q: the chunk's rows [Q, H, D]; query i0 + r sits at position p0 + r and sees keys
+//   0..p0 + r; out rows i0..i0 + rows. Scratch: kbuf, vbuf 16·D; qt, ot G·D·16 floats each.
+template <int V, typename T, typename KeyBlock, typename ValueBlock>
+void prefill_tile(const T* q, T* out, int64_t H, int64_t G, int64_t kvh, int64_t i0, int64_t rows,
+                  int64_t p0, const KeyBlock& key, const ValueBlock& value, int64_t bs, float sc,
+                  float* kbuf, float* vbuf, float* qt, float* ot) {
+  constexpr int64_t D = V * 16;
+  __m512 m[8], l[8];  // per head: running max and sum, one lane per query (G ≤ 8)
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = _mm512_set1_ps(-1e30f);  // finite: the first run's rescale factor is 0, not NaN
+    l[g] = _mm512_setzero_ps();
+    float* qg = qt + g * D * 16;
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t r = 0; r < 16; ++r)
+        qg[d * 16 + r] = r < rows ? f32(q[((i0 + r) * H + kvh * G + g) * D + d]) * sc : 0.f;
+    std::fill(ot + g * D * 16, ot + (g + 1) * D * 16, 0.f);
+  }
+  for_token_runs(p0 + rows, bs, D, key, [&](int64_t t0, const T* krows, int64_t n) {
+    const float* k = run_f32<V>(krows, n, kbuf);
+    const float* v = run_f32<V>(value(t0 / bs) + (t0 % bs) * D, n, vbuf);
+    // Lanes (queries r) that see key t0 + t: r ≥ t0 + t − p0 (causal), and t < n.
+    __mmask16 see[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      const int64_t first = t0 + t - p0;
+      see[t] = t >= n || first >= 16 ? 0 : first <= 0 ? 0xFFFF : static_cast<__mmask16>(0xFFFFu << first);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qt + g * D * 16;
+      __m512 s[16];
+      for (int t = 0; t < 16; ++t) s[t] = _mm512_setzero_ps();
+      for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 query vectors in registers a pass
+        __m512 qv[8];
+        for (int j = 0; j < 8; ++j) qv[j] = _mm512_loadu_ps(qg + (d0 + j) * 16);
+        for (int t = 0; t < 16; ++t)
+          for (int j = 0; j < 8; ++j) s[t] = _mm512_fmadd_ps(qv[j], _mm512_set1_ps(k[t * D + d0 + j]), s[t]);
+      }
+      __m512 mx = m[g];
+      for (int t = 0; t < 16; ++t) mx = _mm512_mask_max_ps(mx, see[t], mx, s[t]);
+      const __m512 alpha = exp16(_mm512_sub_ps(m[g], mx));
+      m[g] = mx;
+      __m512 sum = _mm512_setzero_ps();
+      for (int t = 0; t < 16; ++t) {
+        s[t] = _mm512_maskz_mov_ps(see[t], exp16(_mm512_sub_ps(s[t], mx)));
+        sum = _mm512_add_ps(sum, s[t]);
+      }
+      l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
+      float* og = ot + g * D * 16;
+      for (int64_t d0 = 0; d0 < D; d0 += 8) {  // 8 output dims (vectors of queries) a pass
+        __m512 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm512_mul_ps(_mm512_loadu_ps(og + (d0 + j) * 16), alpha);
+        for (int64_t t = 0; t < n; ++t)
+          for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(s[t], _mm512_set1_ps(v[t * D + d0 + j]), acc[j]);
+        for (int j = 0; j < 8; ++j) _mm512_storeu_ps(og + (d0 + j) * 16, acc[j]);
+      }
+    }
+  });
+  for (int64_t g = 0; g < G; ++g) {
+    const float* og = ot + g * D * 16;
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
+    for (int64_t r = 0; r < rows; ++r) {
+      T* o = out + ((i0 + r) * H + kvh * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(og[d * 16 + r] * inv[r]);
+    }
+  }
+}
+#endif
+
+// Causal attention of one sequence's prefill chunk straight from the paged cache, into which
+// the chunk's own keys and values were written first: no gathered copy of the context, no
+// mask tensor, no fp32 copies. q [Q, H, D] (rotated); caches [blocks, KV, bs, D]; table
+// [>= ceil(ctx / bs)] int64; the chunk's last query sits at position ctx − 1 → [Q, H, D].
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& table, int64_t ctx, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [Q, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be contiguous [blocks, KV, block_size, D]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "cache dtype must match the queries");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1 && table.is_contiguous(),
+              "the block table must be int64 [blocks]");
+  const int64_t Q = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KV == 0, "head shape mismatch");
+  TORCH_CHECK(Q >= 1 && ctx >= Q && ctx <= table.size(0) * bs, "bad chunk or context length");
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t j = 0; j * bs < ctx; ++j)
+    TORCH_CHECK(tp[j] >= 0 && tp[j] < k_cache.size(0), "block id out of range");
+  auto out = at::empty_like(q);
+#if defined(__AVX512F__)
+  TORCH_CHECK(avx_head_dim(D) && H / KV <= 8, "paged_prefill_attention: head dim a multiple of 16 up to 128, "
+              "at most 8 query heads a KV head");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: fp32 or bf16 only");
+  const auto run = [&](auto* qp, auto* kc, auto* vc, auto* op) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+    const int64_t G = H / KV, tiles = (Q + 15) / 16, p_first = ctx - Q;
+    at::parallel_for(0, KV * tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> kbuf(16 * D), vbuf(16 * D), qt(G * D * 16), ot(G * D * 16);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t kvh = task % KV, i0 = (task / KV) * 16, rows = std::min<int64_t>(16, Q - i0);
+        const auto key = [&](int64_t j) -> const T* { return kc + (tp[j] * KV + kvh) * bs * D; };
+        const auto value = [&](int64_t j) -> const T* { return vc + (tp[j] * KV + kvh) * bs * D; };
+        with_vectors(D, [&]<int V>() {
+          prefill_tile<V, T>(qp, op, H, G, kvh, i0, rows, p_first + i0, key, value, bs,
+                             static_cast<float>(scale), kbuf.data(), vbuf.data(), qt.data(), ot.data());
+        });
+      }
+    });
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    using B = c10::BFloat16;
+    run(q.data_ptr<B>(), k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), out.data_ptr<B>());
+  } else {
+    run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
+  }
+#else
+  TORCH_CHECK(false, "paged_prefill_attention: this build has no AVX-512");
+#endif
+  return out;
+}
+
+bool paged_prefill_supported(int64_t head_dim, int64_t group) {
+#if defined(__AVX512F__)
+  return avx_head_dim(head_dim) && group <= 8;
+#else
+  return false;
+#endif
+}
+
 // MLA decode, register-blocked (AVX-512): 4 heads × 4 tokens of scores, 4 heads × 64 latent
 // lanes of values per loop nest, so each load feeds several FMAs (a plain dot product per
 // head and token is load-bound at one FMA per two loads). False: shapes the blocks do not
@@ -1261,11 +1395,16 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def(
       "mla_decode_attention(Tensor q_lat, Tensor q_pe, Tensor cache, Tensor block_tables, "
       "Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int ctx, "
+      "float scale) -> Tensor");
+  m.def("paged_prefill_supported(int head_dim, int group) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(dsinfer, CatchAll, m) {
   m.impl("int4_dense_supported", &int4_dense_supported);
   m.impl("int4_vnni_supported", &int4_vnni_supported);
+  m.impl("paged_prefill_supported", &paged_prefill_supported);
 }
 
 TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
@@ -1277,6 +1416,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("rope_decode_attention", &rope_decode_attention);
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
   m.impl("mla_decode_attention", &mla_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("int4_vnni_pack", &int4_vnni_pack);
   m.impl("int4_vnni_linear", &int4_vnni_linear);
   m.impl("int4_vnni_dequantize_t", &int4_vnni_dequantize_t);
