@@ -75,14 +75,12 @@ class StepProgram:
         self, hidden: int, dtype: torch.dtype, num_blocks: int, repeats: int = 3
     ) -> dict[int, int]:
         """Time the program per bucket with all intra-op threads and with fewer; keep the
-        fewest within 3% of the fastest. Why: on the 2-vCPU machines here a decode step runs
-        as fast on one thread as on two (its kernels are VNNI/FMA- or memory-bound, and the
-        two vCPUs add up like one core's hyperthreads), while a prefill's bf16 GEMMs gain ~1.6x from the second;
-        and a server whose engine leaves the second vCPU to the event loop decodes 16 streams
-        ~10% faster (ITL p50 48.5 → 42.9 ms, measured). So decode steps take what was
-        measured and every other step keeps every thread. Runs
-        once at capture (~0.3 s), one token per row in blocks 0..rows-1 of the idle pool (any
-        later use writes a slot before reading it)."""
+        fewest within 3% of the fastest. Why: a thread the decode step does not need is left
+        to the server's event loop (measured with kernels that used one thread: 16 streams'
+        ITL p50 48.5 → 42.9 ms); on the 2-vCPU machines here both buckets now take both
+        threads (a 16-row step 33 → 19 ms). Decode steps take what was measured and every
+        other step keeps every thread. Runs once at capture (~0.3 s), one token per row in
+        blocks 0..rows-1 of the idle pool (any later use writes a slot before reading it)."""
         most = torch.get_num_threads()
         candidates = sorted({most, max(1, most // 2), 1}, reverse=True)
         if len(candidates) == 1:  # one thread: nothing to choose, nothing to time

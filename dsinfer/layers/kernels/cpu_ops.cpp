@@ -1201,9 +1201,8 @@ at::Tensor int4_vnni_dequantize_t(const at::Tensor& codes, const at::Tensor& sz)
 
 // ---- int8 × int8 (VNNI) for wide int8 layers (the LM head under int4/int8) -------------------
 // At one row the LM head is memory-bound and int8_linear reads it at memory speed; at 16 rows
-// it is compute-bound, and widening every weight to fp32 for FMAs runs at ~36 GFMA/s here (a
-// second thread adds nothing: the two vCPUs behave like one core's hyperthreads). `vpdpbusd`
-// multiplies 64 int8 pairs an instruction,
+// it is compute-bound, and widening every weight to fp32 for FMAs runs at ~36 GFMA/s on one
+// thread here. `vpdpbusd` multiplies 64 int8 pairs an instruction,
 // so the activations are quantised to int8 per group of 32 (as for int4; measured on SmolLM2's
 // head: perplexity 7.906 → 7.901, mean |Δlogit| 0.04, the same argmax at every position) and
 // the weights are repacked once after loading: [O/16, K/4, 64] bytes, lane l of a 64-byte row
