@@ -85,7 +85,7 @@ class EngineArgs:
     )  # fmt: skip
     max_num_seqs: int = field(default=64, metadata=_opt("requests in a batch at most", type=int))
     max_num_batched_tokens: int = field(
-        default=1024,
+        default=512,  # SchedulerConfig's reason
         metadata=_opt("tokens in one step at most (long prompts are prefilled in chunks)",
                       type=int),
     )  # fmt: skip
