@@ -9,13 +9,13 @@ requests to every other version keep flowing while a new one loads; a version is
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from dsinfer.models.loader import release_freed_memory
 from dsinfer.registry.store import ModelRegistry, RegistryError, Servable, Version
 from dsinfer.sampling import SamplingParams
 
@@ -79,7 +79,4 @@ def release_memory(served: Servable) -> None:
     """Drop the engine's tensors and hand freed heap pages back to the OS."""
     served.engine.engine = None
     gc.collect()
-    try:  # glibc keeps freed arenas otherwise; RSS would not show the release
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
+    release_freed_memory()  # glibc keeps freed pages otherwise; RSS would not show the release
