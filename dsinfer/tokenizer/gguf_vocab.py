@@ -7,7 +7,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from dsinfer.models.gguf_file import field_value, open_gguf
+from dsinfer.models.gguf_file import field_value
+from dsinfer.models.gguf_reader import GGUFFile
 from dsinfer.tokenizer.tokenizer import Tokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4
@@ -37,7 +38,10 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 
 
 def from_gguf(path: Path) -> Tokenizer:
-    reader = open_gguf(path)
+    # A parse of its own, not open_gguf's cached one: the cache would keep the parsed vocabulary
+    # and merges (~12 MiB of Python strings for SmolLM2) resident for the life of the server,
+    # and the model's load has dropped the cache by now anyway (re-parsing costs ~0.1 s).
+    reader = GGUFFile(path)
     kind = field_value(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(
