@@ -13,6 +13,7 @@ import torch
 
 from dsinfer.sampling import SamplingParams, TokenLogprobs
 from dsinfer.worker.grammar_mask import GrammarState
+from dsinfer.worker.token_draw import draw_sampled, filter_rows
 
 
 @dataclass
@@ -63,22 +64,8 @@ def apply_logit_bias(logits: torch.Tensor, states: list[SamplerState]) -> torch.
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p on one row [V]; removed tokens become -inf."""
-    x = logits / params.temperature
-    if params.top_k > 0 and params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    if params.min_p > 0.0:
-        probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return x
+    """filter_rows for one row [V]."""
+    return filter_rows(logits.unsqueeze(0), [params])[0]
 
 
 def _logprob_entry(lp_row: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
@@ -108,16 +95,20 @@ class Sampler:
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         if any(st.params.needs_penalties for st in states):
             logits = apply_penalties(logits.clone(), states)
-        greedy = logits.argmax(dim=-1).tolist()
-        tokens: list[int] = []
-        for i, st in enumerate(states):
-            if st.params.greedy:
-                tokens.append(int(greedy[i]))
-                continue
-            probs = torch.softmax(filter_logits(logits[i], st.params), dim=-1)
-            # Exponential race: argmax(p / E), E ~ Exp(1), is an exact draw from p.
-            noise = torch.empty_like(probs).exponential_(generator=st.generator)
-            tokens.append(int((probs / noise).argmax()))
+        drawn = [i for i, st in enumerate(states) if not st.params.greedy]
+        greedy = [i for i, st in enumerate(states) if st.params.greedy]
+        tokens = [0] * len(states)
+        if greedy:
+            rows = logits[greedy] if len(greedy) < len(states) else logits
+            for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = token
+        if drawn:
+            rows = logits[drawn] if len(drawn) < len(states) else logits
+            picks = draw_sampled(
+                rows, [states[i].params for i in drawn], [states[i].generator for i in drawn]
+            )
+            for i, token in zip(drawn, picks, strict=True):
+                tokens[i] = token
         lps: list[TokenLogprobs | None] = []
         for i, st in enumerate(states):
             if raw_lp is None or st.params.logprobs is None:

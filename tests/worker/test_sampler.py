@@ -117,3 +117,67 @@ def test_logprobs_top_n_and_rank():
 def test_invalid_params_name_the_field(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
+
+
+# -- the batched draw (worker/token_draw.py) against filter_rows' distribution ------------------
+
+_VOCAB = 600  # more than the 256 top-p candidates: both paths of draw_sampled run
+
+
+def _lm_like_row(sharpness: float, seed: int) -> torch.Tensor:
+    """Zipf-shaped logits over a shuffled vocabulary, like a model's next-token row."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, _VOCAB + 1, dtype=torch.float32)
+    return (-sharpness * ranks.log())[torch.randperm(_VOCAB, generator=g)]
+
+
+def _draw_many(row: torch.Tensor, params: SamplingParams, n: int = 6000) -> torch.Tensor:
+    """Frequencies of n draws of one row, each by its own generator (one batched call)."""
+    states = [SamplerState(params, [], torch.Generator().manual_seed(s)) for s in range(n)]
+    tokens, _ = Sampler()(row.expand(n, -1).contiguous(), states)
+    return torch.bincount(torch.tensor(tokens), minlength=_VOCAB).float() / n
+
+
+@pytest.mark.parametrize(
+    ("sharpness", "kw"),
+    [
+        (1.2, dict(temperature=1.0)),  # whole vocabulary: the two-level inverse CDF
+        (1.2, dict(temperature=0.7, top_p=0.9)),  # nucleus inside the candidates
+        (1.2, dict(temperature=1.0, top_k=20)),
+        (1.2, dict(temperature=0.8, top_k=50, top_p=0.8, min_p=0.05)),
+        (0.3, dict(temperature=1.0, top_p=0.95)),  # flat: nucleus past 256, the full sort
+        (0.3, dict(temperature=1.5, min_p=0.5)),
+        (0.3, dict(temperature=1.0, top_k=100, top_p=0.5)),  # nucleus of the top-k renormalised
+    ],
+)
+def test_batched_draws_follow_the_filtered_distribution(sharpness, kw):
+    row = _lm_like_row(sharpness, seed=7)
+    params = SamplingParams(**kw)
+    want = torch.softmax(filter_logits(row.clone(), params), dim=-1)
+    got = _draw_many(row, params)
+    assert got[want == 0].sum() == 0  # never outside the support
+    assert (got - want).abs().max() < 0.02, (got - want).abs().max()
+
+
+def test_candidate_and_full_paths_give_the_same_support():
+    # top-p rows whose nucleus fits in the candidates against filter_rows' support, for many
+    # parameter combinations: every token drawn is in it, and most of it is drawn.
+    for seed, (k, p, m) in enumerate([(-1, 0.5, 0.0), (3, 1.0, 0.0), (40, 0.99, 0.1)]):
+        row = _lm_like_row(1.5, seed)
+        params = SamplingParams(temperature=0.9, top_k=k, top_p=p, min_p=m)
+        support = filter_logits(row.clone(), params) != float("-inf")
+        drawn = _draw_many(row, params, n=3000) > 0
+        assert not (drawn & ~support).any()
+        assert drawn.sum() >= min(int(support.sum()), 3)
+
+
+def test_draw_never_picks_a_zero_probability_token():
+    from dsinfer.worker.token_draw import draw_tokens
+
+    probs = torch.zeros(64, 1000)
+    probs[:, 257] = 1.0  # one token in the second block of 256
+    probs[::2, 999] = 3.0  # and the last token of a partial block on even rows
+    gens = [torch.Generator().manual_seed(s) for s in range(64)]
+    tokens = draw_tokens(probs, gens)
+    assert set(tokens) <= {257, 999}
+    assert all(t == 257 for t in tokens[1::2])
