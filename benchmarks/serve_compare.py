@@ -45,6 +45,8 @@ def load_levels(url: str, levels: list[int], args: argparse.Namespace) -> dict[i
             input_len=args.input_len,
             output_len=args.output_len,
             seed=0,
+            temperature=args.temperature,
+            top_p=args.top_p,
         )
         # One warm-up request: neither side pays first-call costs in the figures.
         asyncio.run(run_load(argparse.Namespace(**{**vars(ns), "num_requests": 1})))
@@ -129,6 +131,10 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    # Sampled requests (e.g. --temperature 0.7 --top-p 0.95, a chat client's usual settings):
+    # both servers draw every token instead of taking the argmax.
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--port", type=int, default=8131)
     p.add_argument("--out", default="benchmarks/results/serve_compare")
     args = p.parse_args()

@@ -47,6 +47,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--input-len", type=int, default=128, help="prompt length in words (≈tokens)")
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (0: greedy, the default)",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus of every request (1: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
     p.add_argument("--allow-remote", action="store_true")
@@ -97,7 +104,8 @@ async def one_request(client, args: argparse.Namespace, prompt: str) -> Result: 
     body = {
         "prompt": prompt,
         "max_tokens": args.output_len,
-        "temperature": 0,
+        "temperature": getattr(args, "temperature", 0.0),
+        "top_p": getattr(args, "top_p", 1.0),
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
@@ -185,6 +193,8 @@ def report(results: list[Result], wall: float, args: argparse.Namespace) -> dict
         "errors": len(results) - len(ok),
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "temperature": getattr(args, "temperature", 0.0),
+        "top_p": getattr(args, "top_p", 1.0),
         "wall_s": wall,
         "request_throughput": len(ok) / wall,
         "output_tokens_per_s": out_tokens / wall,
