@@ -86,7 +86,10 @@ def draw_tokens(probs: torch.Tensor, generators: list[torch.Generator]) -> list[
     padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
     blocks = padded.view(b, -1, _DRAW_BLOCK)  # [B, NB, 256]
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [B, NB]
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    # On the generator's device (a request's generator lives where the model runs).
+    u = torch.cat(
+        [torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generators]
+    )
     u = u.to(probs.device) * block_cdf[:, -1]  # [B], in [0, mass)
     # right=True: the first entry whose cumulative mass exceeds u; an entry of zero mass has an
     # empty interval and is never chosen.
@@ -108,9 +111,12 @@ def draw_tokens(probs: torch.Tensor, generators: list[torch.Generator]) -> list[
     out = tokens.tolist()
     # Rounding can land u on the very end of the support (offset == mass): take the last token
     # with mass in that block instead.
-    for row in torch.nonzero(picked <= 0).flatten().tolist():
+    for row in torch.nonzero(~(picked > 0)).flatten().tolist():
         nonzero = torch.nonzero(inner[row] > 0).flatten()
-        out[row] = int(block[row]) * _DRAW_BLOCK + int(nonzero[-1])
+        if len(nonzero):
+            out[row] = int(block[row]) * _DRAW_BLOCK + int(nonzero[-1])
+        else:  # a row without finite mass (NaN logits): the argmax, as greedy would take
+            out[row] = int(torch.nan_to_num(probs[row], nan=-1.0).argmax())
     return out
 
 
@@ -146,7 +152,9 @@ def _draw_from_candidates(
     kr = [ks[j] for j in rows]
     n = min(vocab, max([_NUCLEUS_CANDIDATES, *(k for k in kr if k < vocab)]))
     probs, ids = torch.topk(torch.softmax(xs, dim=-1), n)  # [R, n], descending
-    keep = torch.arange(n, device=x.device).unsqueeze(0) < torch.tensor(kr).unsqueeze(1)
+    keep = torch.arange(n, device=x.device).unsqueeze(0) < torch.tensor(
+        kr, device=x.device
+    ).unsqueeze(1)
     q = probs * keep
     # Renormalised over the top-k when there is one (filter_rows applies top-k first); the
     # full softmax is normalised already.

@@ -181,3 +181,14 @@ def test_draw_never_picks_a_zero_probability_token():
     tokens = draw_tokens(probs, gens)
     assert set(tokens) <= {257, 999}
     assert all(t == 257 for t in tokens[1::2])
+
+
+def test_a_row_of_nan_logits_does_not_stop_the_batch():
+    rows = torch.randn(3, _VOCAB)
+    rows[1] = float("nan")
+    states = [_state(seed=s, temperature=0.8, top_p=0.9) for s in range(3)]
+    tokens, _ = Sampler()(rows, states)
+    assert len(tokens) == 3 and all(0 <= t < _VOCAB for t in tokens)
+    plain = [_state(seed=s, temperature=0.8) for s in range(3)]
+    tokens, _ = Sampler()(rows, plain)
+    assert all(0 <= t < _VOCAB for t in tokens)
