@@ -17,6 +17,9 @@ from dsinfer.sampling import SamplingParams
 # Candidates examined for a top-p nucleus before falling back to a full sort of the row: the
 # nucleus of a model's next-token distribution at top_p ≤ 0.95 is almost always shorter.
 _NUCLEUS_CANDIDATES = 256
+# draw_sampled's tiers: SmolLM2 at temperature 1.0 / top-p 0.95 has 17% of its nuclei past 256
+# tokens (61% at top-p 0.99); a top-4096 is ~5x cheaper than the sort of 49k it spares.
+_CANDIDATE_TIERS = (_NUCLEUS_CANDIDATES, 4096)
 
 
 def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -125,7 +128,15 @@ def draw_sampled(
 ) -> list[int]:
     """A token for each row of logits [B, V] (fp32), drawn from filter_rows' distribution."""
     x = logits / _per_row([p.temperature for p in params], logits)
-    picks = _draw_from_candidates(x, params, generators)
+    vocab = x.shape[-1]
+    picks: list[int | None] = [None] * len(params)
+    # Rows with a short support try the candidate tiers in turn; the rest (and a nucleus
+    # longer than the last tier) are drawn from the whole row.
+    pending = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    for n in _CANDIDATE_TIERS:
+        if not pending:
+            break
+        pending = _draw_from_candidates(x, params, generators, pending, n, picks)
     rest = [j for j, token in enumerate(picks) if token is None]
     if rest:
         xr = x[rest] if len(rest) < len(picks) else x
@@ -137,45 +148,42 @@ def draw_sampled(
 
 
 def _draw_from_candidates(
-    x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> list[int | None]:
-    """Tokens for the rows whose support lies within their top candidates (top-k, or a top-p
-    nucleus that ends there), None for the rest. The same support as _truncate: top-k first,
-    top-p over the top-k renormalised distribution, then min-p (a ratio to the top token)."""
+    x: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    rows: list[int],
+    candidates: int,
+    picks: list[int | None],
+) -> list[int]:
+    """Draw into `picks` the `rows` whose support lies within their top `candidates` tokens
+    (top-k, or a top-p nucleus that ends there); returns the rows it could not. The same
+    support as _truncate: top-k first, top-p over the top-k renormalised distribution, then
+    min-p (a ratio to the top token)."""
     vocab = x.shape[-1]
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    short = [k < vocab or p.top_p < 1.0 for k, p in zip(ks, params, strict=True)]
-    if not any(short):
-        return [None] * len(params)
-    rows = [j for j, s in enumerate(short) if s]
-    xs = x[rows] if len(rows) < len(params) else x
-    kr = [ks[j] for j in rows]
-    n = min(vocab, max([_NUCLEUS_CANDIDATES, *(k for k in kr if k < vocab)]))
+    kr = [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in rows]
+    xs = x[rows] if len(rows) < x.shape[0] else x
+    n = min(vocab, max([candidates, *(k for k in kr if k < vocab)]))
     probs, ids = torch.topk(torch.softmax(xs, dim=-1), n)  # [R, n], descending
-    keep = torch.arange(n, device=x.device).unsqueeze(0) < torch.tensor(
-        kr, device=x.device
-    ).unsqueeze(1)
+    k_rows = torch.tensor(kr, device=x.device)
+    keep = torch.arange(n, device=x.device).unsqueeze(0) < k_rows.unsqueeze(1)
     q = probs * keep
     # Renormalised over the top-k when there is one (filter_rows applies top-k first); the
     # full softmax is normalised already.
-    topk_mass = torch.where(
-        torch.tensor([k < vocab for k in kr], device=x.device), q.sum(dim=-1), 1.0
-    )
-    q = q / topk_mass.unsqueeze(1)
+    q = q / torch.where(k_rows < vocab, q.sum(dim=-1), 1.0).unsqueeze(1)
     top_p = torch.tensor([params[j].top_p for j in rows], dtype=q.dtype, device=x.device)
     in_nucleus = (torch.cumsum(q, dim=-1) - q) < top_p.unsqueeze(1)
     keep &= in_nucleus | (top_p >= 1.0).unsqueeze(1)
     # Complete: the support is the top-k's (within the candidates), or the nucleus ended
     # before the last candidate.
-    complete = (torch.tensor(kr, device=x.device) <= n) | ~keep[:, -1]
+    complete = (k_rows <= n) | ~keep[:, -1]
     min_p = _per_row([params[j].min_p for j in rows], q)
     keep &= q >= min_p * q[:, :1]
     # Only the complete rows draw here: a row's generator gives one number per token.
     done = torch.nonzero(complete).flatten().tolist()
-    out: list[int | None] = [None] * len(params)
     if done:
         sel = torch.tensor(done, device=x.device)
         slots = draw_tokens((q * keep)[sel], [generators[rows[r]] for r in done])
         for r, slot in zip(done, slots, strict=True):
-            out[rows[r]] = int(ids[r, slot])
-    return out
+            picks[rows[r]] = int(ids[r, slot])
+    finished = set(done)
+    return [j for r, j in enumerate(rows) if r not in finished]
