@@ -116,6 +116,60 @@ def test_mixed_step_runs_prefill_rows_on_the_reference() -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "heads,kv,d,bs",
+    # d=64, 128: whole vectors per half; d=48: a vector and a scalar tail; d=24: scalar only.
+    [(9, 3, 64, 16), (6, 2, 128, 32), (4, 4, 48, 8), (8, 1, 24, 4)],
+)
+def test_prefill_rows_rotate_and_write_the_cache_bit_for_bit(
+    heads: int, kv: int, d: int, bs: int
+) -> None:
+    """bf16 prefill rows (three fresh sequences in one step, after two decode rows): rotary
+    and the KV write run in one kernel that rounds as the reference's ops do, so the caches
+    and the outputs equal the reference's exactly."""
+    g = torch.Generator().manual_seed(11)
+    lens = [5, 17, 33]
+    qkv_dec, rope_dec, caches, meta_dec = _paged_step(torch.bfloat16, [6, 3], heads, kv, d, bs)
+    # The prefill sequences' blocks: appended to the pool the decode rows use.
+    nblocks, extra = caches[0].shape[0], sum(-(-n // bs) for n in lens)
+    caches = tuple(torch.cat([c, torch.zeros(extra, *c.shape[1:], dtype=c.dtype)]) for c in caches)
+    free = torch.arange(nblocks, nblocks + extra)
+    tables, at = [], 0
+    for n in lens:
+        tables.append(free[at : at + -(-n // bs)])
+        at += -(-n // bs)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    qkv = torch.cat([qkv_dec, torch.randn(sum(lens), (heads + 2 * kv) * d, generator=g).bfloat16()])
+    rope = RotaryEmbedding(d, 128, RopeConfig()).cos_sin(
+        torch.cat([meta_dec.decode_seq_lens - 1, positions]), torch.bfloat16
+    )
+    starts = [2 + sum(lens[:i]) for i in range(len(lens))]
+    meta = AttentionMetadata(
+        slot_blocks=torch.cat(
+            [
+                meta_dec.slot_blocks,
+                *(t[torch.arange(n) // bs] for t, n in zip(tables, lens, strict=True)),
+            ]
+        ),
+        slot_offsets=torch.cat([meta_dec.slot_offsets, positions % bs]),
+        num_decode=2,
+        decode_block_tables=meta_dec.decode_block_tables,
+        decode_mask=meta_dec.decode_mask,
+        prefills=tuple(
+            PrefillSeq(s, n, n, t) for s, n, t in zip(starts, lens, tables, strict=True)
+        ),
+        decode_seq_lens=meta_dec.decode_seq_lens,
+    )
+    ref_caches = tuple(c.clone() for c in caches)
+    shape = dict(num_heads=heads, num_kv_heads=kv, head_dim=d, scale=d**-0.5)
+    want = TorchPagedAttention(**shape).forward_qkv(qkv, rope, ref_caches, meta)
+    got = FusedCpuPagedAttention(**shape).forward_qkv(qkv, rope, caches, meta)
+    prefill_slots = (meta.slot_blocks[2:], slice(None), meta.slot_offsets[2:])
+    for a, b in zip(caches, ref_caches, strict=True):
+        assert torch.equal(a[prefill_slots], b[prefill_slots])
+    assert torch.equal(got[2:], want[2:])  # the decode rows: the decode kernel's own test
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv,d,bs,q_len,ctx",

@@ -8,8 +8,9 @@ MLA: the absorbed decode attends in latent space straight from the paged latent 
 kernel for the batch's decode rows); the two small per-head projections around it (into latent
 space through W_UK, back through W_UV) stay batched GEMMs.
 
-Prefill chunks: the reference backend's rotary and KV write; a chunk with nothing cached before
-it keeps the reference's one causal SDPA; a chunk with a cached context (a long prompt's later
+Prefill chunks: rotary and the KV write in one kernel that rounds as the reference does (bf16:
+its result is the reference's bit for bit, ~5x faster); a chunk with nothing cached before it
+keeps the reference's one causal SDPA; a chunk with a cached context (a long prompt's later
 chunks, prefix-cache hits) attends from the paged cache in one kernel (flash-style, 16 queries a
 vector; no gathered copy of the context, no mask tensor, no fp32 copies): ~2x the reference's
 gather + masked SDPA at 1,024 queries × 4,000 tokens.
@@ -39,33 +40,63 @@ class FusedCpuPagedAttention(TorchPagedAttention):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        nd = meta.num_decode
+        nd, t = meta.num_decode, qkv.shape[0]
         k_cache, v_cache = kv_cache
         if (
-            nd == 0
-            or meta.decode_seq_lens is None
-            or qkv.dtype not in _KERNEL_DTYPES
+            qkv.dtype not in _KERNEL_DTYPES
             or k_cache.dtype != qkv.dtype
-            or rope.table_cos.dtype != torch.float32
+            or (nd and (meta.decode_seq_lens is None or rope.table_cos.dtype != torch.float32))
         ):
             return super().forward_qkv(qkv, rope, kv_cache, meta)
-        decoded = torch.ops.dsinfer.rope_decode_attention(
-            qkv[:nd].contiguous(),  # [B, (H + 2KV)·D]: rows of a contiguous batch, no copy
-            rope.table_cos,
-            rope.table_sin,
+        parts = []
+        if nd:
+            parts.append(
+                torch.ops.dsinfer.rope_decode_attention(
+                    qkv[:nd].contiguous(),  # [B, (H + 2KV)·D]: rows of a contiguous batch
+                    rope.table_cos,
+                    rope.table_sin,
+                    k_cache,
+                    v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_seq_lens,
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.scale,
+                )  # [B, H·D]
+            )
+        if nd < t:
+            rest_rope = StepRope(rope.cos[nd:], rope.sin[nd:], rope.table_cos, rope.table_sin)
+            rest_meta = meta.without_decodes() if nd else meta
+            parts.append(self._prefill_rows(qkv[nd:], rest_rope, kv_cache, rest_meta))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _prefill_rows(
+        self,
+        qkv: torch.Tensor,
+        rope: StepRope,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The prefill chunks' rows (no decodes): rotary and the cache write in one kernel, bit
+        for bit the reference's (bf16), then the chunks' attention."""
+        if qkv.dtype != torch.bfloat16 or rope.cos.dtype != torch.bfloat16:
+            return super().forward_qkv(qkv, rope, kv_cache, meta)
+        t, h, kv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        k_cache, v_cache = kv_cache
+        qk = torch.ops.dsinfer.rope_write_prefill(
+            qkv.contiguous(),
+            rope.cos.reshape(t, d).contiguous(),  # [T, 1, D] → the step's rows [T, D]
+            rope.sin.reshape(t, d).contiguous(),
             k_cache,
             v_cache,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-            self.num_heads,
-            self.num_kv_heads,
-            self.scale,
-        )  # [B, H·D]
-        if nd == qkv.shape[0]:
-            return decoded
-        rest_rope = StepRope(rope.cos[nd:], rope.sin[nd:], rope.table_cos, rope.table_sin)
-        rest = super().forward_qkv(qkv[nd:], rest_rope, kv_cache, meta.without_decodes())
-        return torch.cat([decoded, rest])
+            meta.slot_blocks.contiguous(),
+            meta.slot_offsets.contiguous(),
+            h,
+            kv,
+        )  # [T, H + KV, D]: q and k rotated; k and v are in the cache
+        q, k = qk.split([h, kv], dim=1)
+        v = qkv[:, (h + kv) * d :].view(t, kv, d)
+        return self._attend(q, k, v, kv_cache, meta).reshape(t, h * d)
 
     def _prefill_seq(
         self,

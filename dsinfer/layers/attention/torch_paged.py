@@ -45,6 +45,19 @@ class TorchPagedAttention(MHABackend):
         # Advanced indices around a slice: the indexed view is [T, KV, D], matching k and v.
         k_cache[meta.slot_blocks, :, meta.slot_offsets] = k.to(k_cache.dtype)
         v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
+        return self._attend(q, k, v, kv_cache, meta)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The step's attention once its k and v are in the cache: q [T, H, D], k and v
+        [T, KV, D] → [T, H, D]."""
+        k_cache, v_cache = kv_cache
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decode:
             out[: meta.num_decode] = self._decode(q[: meta.num_decode], k_cache, v_cache, meta)

@@ -449,6 +449,87 @@ inline void rotate(const T* x, const float* cos, const float* sin, float* out, i
   }
 }
 
+// Prefill rows: NeoX rotary on q and k with the reference's roundings, then k and v written
+// into the paged cache, in one pass over the rows. apply_rotary (layers/rotary.py) runs in bf16
+// as three ops, each rounding to bf16: x·cos, rot(x)·sin, their sum; the same here, so the
+// result is the reference's bit for bit (the eager path spent ~15 ms of a 512-row step in its
+// cat, neg, two muls, add and two index_puts). bf16 only: in fp32 the compiler could contract
+// the products and the sum into FMAs and round differently.
+//   qkv [T, (H + 2 KV) D] bf16; cos, sin [T, D] bf16 (the step's rows); caches
+//   [blocks, KV, block_size, D]; slot_blocks, slot_offsets [T] int64 -> q|k rotated [T, H + KV, D].
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+inline __m512 to_bf16_and_back(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+#endif
+
+inline void rope_row_bf16(const c10::BFloat16* x, const c10::BFloat16* c, const c10::BFloat16* s,
+                          c10::BFloat16* out, int64_t D) {
+  const int64_t half = D / 2;
+  int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  for (; j + 16 <= half; j += 16) {
+    const __m512 x1 = load16(x + j), x2 = load16(x + half + j);
+    const __m512 lo = _mm512_add_ps(to_bf16_and_back(_mm512_mul_ps(x1, load16(c + j))),
+                                    to_bf16_and_back(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
+                                                                   load16(s + j))));
+    const __m512 hi = _mm512_add_ps(to_bf16_and_back(_mm512_mul_ps(x2, load16(c + half + j))),
+                                    to_bf16_and_back(_mm512_mul_ps(x1, load16(s + half + j))));
+    store16(out + j, lo);
+    store16(out + half + j, hi);
+  }
+#endif
+  const auto rnd = [](float v) { return f32(from_f32<c10::BFloat16>(v)); };
+  for (; j < half; ++j) {
+    const float x1 = f32(x[j]), x2 = f32(x[half + j]);
+    out[j] = from_f32<c10::BFloat16>(rnd(x1 * f32(c[j])) + rnd(-x2 * f32(s[j])));
+    out[half + j] = from_f32<c10::BFloat16>(rnd(x2 * f32(c[half + j])) + rnd(x1 * f32(s[half + j])));
+  }
+}
+
+at::Tensor rope_write_prefill(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                              const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                              int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16,
+              "qkv must be contiguous bf16 [T, (H+2KV)D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "caches must be contiguous bf16 [blocks, KV, block_size, D]");
+  const int64_t T = qkv.size(0), H = num_heads, KV = num_kv_heads;
+  const int64_t D = k_cache.size(3), bs = k_cache.size(2), num_blocks = k_cache.size(0);
+  TORCH_CHECK(D % 2 == 0 && k_cache.size(1) == KV && qkv.size(1) == (H + 2 * KV) * D, "qkv width mismatch");
+  TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
+              "cos and sin must be the step's contiguous bf16 rows [T, D]");
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
+                  slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_blocks.numel() == T &&
+                  slot_offsets.numel() == T, "slots must be int64 [T]");
+  const int64_t* sb = slot_blocks.data_ptr<int64_t>();
+  const int64_t* so = slot_offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sb[t] >= 0 && sb[t] < num_blocks && so[t] >= 0 && so[t] < bs, "slot out of range");
+  }
+  auto out = at::empty({T, H + KV, D}, qkv.options());
+  const auto* xp = qkv.data_ptr<c10::BFloat16>();
+  const auto* cp = cos.data_ptr<c10::BFloat16>();
+  const auto* sp = sin.data_ptr<c10::BFloat16>();
+  auto* kc = k_cache.data_ptr<c10::BFloat16>();
+  auto* vc = v_cache.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const c10::BFloat16* row = xp + t * (H + 2 * KV) * D;
+      c10::BFloat16* o = op + t * (H + KV) * D;
+      for (int64_t h = 0; h < H + KV; ++h) rope_row_bf16(row + h * D, cp + t * D, sp + t * D, o + h * D, D);
+      for (int64_t kvh = 0; kvh < KV; ++kvh) {
+        const int64_t slot = ((sb[t] * KV + kvh) * bs + so[t]) * D;
+        std::memcpy(kc + slot, o + (H + kvh) * D, D * sizeof(c10::BFloat16));
+        std::memcpy(vc + slot, row + (H + KV + kvh) * D, D * sizeof(c10::BFloat16));
+      }
+    }
+  });
+  return out;
+}
+
 // One decode token per sequence: rotate q and k at position seq_len - 1, write k and v into the
 // paged cache, attend over the sequence's seq_len cached tokens. One task per (sequence, KV
 // head) serves its G query heads together, so each cached key and value is read once.
@@ -1389,6 +1470,9 @@ TORCH_LIBRARY(dsinfer, m) {
       "int num_kv_heads, float scale) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask) -> ()");
   m.def(
+      "rope_write_prefill(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_blocks, Tensor slot_offsets, int num_heads, int num_kv_heads) -> Tensor");
+  m.def(
       "mla_decode_attention(Tensor q_lat, Tensor q_pe, Tensor cache, Tensor block_tables, "
       "Tensor seq_lens, float scale) -> Tensor");
   m.def(
@@ -1410,6 +1494,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_dequantize_t", &int4_dequantize_t);
   m.impl("rope_decode_attention", &rope_decode_attention);
+  m.impl("rope_write_prefill", &rope_write_prefill);
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
   m.impl("mla_decode_attention", &mla_decode_attention);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
