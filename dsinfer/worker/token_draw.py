@@ -3,9 +3,10 @@
 Everything runs on the whole batch at once: the per-row loop it replaces (a sort of the whole
 vocabulary for top-p, an exponential noise row for the draw) cost ~5 ms a row at SmolLM2's 49k
 vocabulary, more than the 16-row decode step itself. Rows whose support is short (top-k, or a
-top-p nucleus that ends within the top 256 tokens, as a model's nucleus almost always does)
-are drawn from their top candidates; the others from the whole row. Each row draws one uniform
-number from its own generator, whatever its path: a seed gives the same text in any batch.
+top-p nucleus that ends within the top 256, then 4,096, tokens, as a model's nucleus almost
+always does) are drawn from their top candidates; the others from the whole row. Each row draws
+one uniform number from its own generator, whatever its path: a seed gives the same text in any
+batch.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import torch
 
 from dsinfer.sampling import SamplingParams
 
-# Candidates examined for a top-p nucleus before falling back to a full sort of the row: the
-# nucleus of a model's next-token distribution at top_p ≤ 0.95 is almost always shorter.
-_NUCLEUS_CANDIDATES = 256
-# draw_sampled's tiers: SmolLM2 at temperature 1.0 / top-p 0.95 has ~20-25% of its nuclei past 256
-# tokens (~60% at top-p 0.99); a top-4096 is ~5x cheaper than the sort of 49k it spares.
-_CANDIDATE_TIERS = (_NUCLEUS_CANDIDATES, 4096)
+# The top candidates draw_sampled examines for a row's support, in turn, before a full sort of
+# the row: a model's nucleus at top_p ≤ 0.95 is almost always within 256 tokens; SmolLM2 at
+# temperature 1.0 / top-p 0.95 has ~20-25% of its nuclei past 256 (~60% at top-p 0.99), and a
+# top-4096 is ~5x cheaper than the sort of 49k it spares.
+_CANDIDATE_TIERS = (256, 4096)
 
 
 def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -55,21 +55,17 @@ def _truncate(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 def _outside_nucleus(x: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """[B, V] True where a token is outside its row's nucleus: the smallest prefix of the row's
     tokens by falling probability whose mass reaches top_p (always at least the top token).
-    Found among the top candidates; a row whose nucleus is longer is sorted whole."""
+    The rows with a nucleus are sorted whole: draw_sampled sends here only the rows whose
+    nucleus outgrew its candidate tiers, so a top-k step first would be wasted work."""
     probs = torch.softmax(x, dim=-1)
-    vocab = x.shape[-1]
-    k = min(vocab, _NUCLEUS_CANDIDATES)
-    p_sorted, order = torch.topk(probs, k)  # [B, k], descending
-    limit = _per_row(top_p, probs)
-    drop_sorted = (torch.cumsum(p_sorted, dim=-1) - p_sorted) >= limit
-    # Tokens past the candidates are outside the nucleus, unless it has not ended by then.
-    outside = torch.ones_like(probs, dtype=torch.bool).scatter(1, order, drop_sorted)
-    longer = ~drop_sorted[:, -1] & (limit[:, 0] < 1.0)  # rows with top_p 1 keep everything
-    for row in torch.nonzero(longer).flatten().tolist() if k < vocab else []:
-        p_all, order_all = torch.sort(probs[row], descending=True)
-        drop_all = (torch.cumsum(p_all, dim=-1) - p_all) >= top_p[row]
-        outside[row] = torch.zeros_like(drop_all).scatter(0, order_all, drop_all)
-    outside[torch.tensor([p >= 1.0 for p in top_p], device=x.device)] = False
+    outside = torch.zeros_like(probs, dtype=torch.bool)
+    rows = [j for j, p in enumerate(top_p) if p < 1.0]  # top_p 1 keeps everything
+    if rows:
+        sel = torch.tensor(rows, device=x.device)
+        p_sorted, order = torch.sort(probs[sel], dim=-1, descending=True)
+        limit = _per_row([top_p[j] for j in rows], probs)
+        drop_sorted = (torch.cumsum(p_sorted, dim=-1) - p_sorted) >= limit
+        outside[sel] = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return outside
 
 
