@@ -67,7 +67,8 @@ def _paged_step(dtype: torch.dtype, lens: list[int], heads: int, kv: int, d: int
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2), (9, 3)])
+# (16, 1): more query heads per KV head than the bf16-pair loops take (they fall back).
+@pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2), (9, 3), (16, 1)])
 @pytest.mark.parametrize(
     "d,bs",
     # head dims of 1, 4 and 8 vectors; blocks shorter than, equal to and longer than a run of
@@ -87,6 +88,30 @@ def test_paged_decode_attention_matches_reference(
     for a, b in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(a, b, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(got, want, atol=2 * TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,bs", [(64, 16), (128, 32), (64, 8)])
+def test_paged_decode_attention_ignores_stale_cache_rows(dtype: torch.dtype, d: int, bs: int):
+    """Rows past a sequence's end (a freed sequence's leftovers: anything, NaN included) must
+    not reach the output: the kernels read whole runs of 16 rows and pairs of tokens, so a
+    short run is copied and zero-padded rather than multiplied by a zero probability."""
+    lens = [1, 5, 9, 23, 16, 70]
+    heads, kv = 9, 3
+    qkv, rope, (k_cache, v_cache), meta = _paged_step(dtype, lens, heads, kv, d, bs)
+    stale = torch.ones(k_cache.shape[0], bs, dtype=torch.bool)  # [block, offset] unused
+    for n, table in zip(lens, meta.decode_block_tables.tolist(), strict=True):
+        for p in range(n):
+            stale[table[p // bs], p % bs] = False
+    shape = dict(num_heads=heads, num_kv_heads=kv, head_dim=d, scale=d**-0.5)
+    outs = []
+    for fill in (0.0, float("nan")):
+        caches = tuple(c.clone() for c in (k_cache, v_cache))
+        for c in caches:
+            c.permute(0, 2, 1, 3)[stale] = fill  # [block, offset, KV, D] rows
+        outs.append(FusedCpuPagedAttention(**shape).forward_qkv(qkv, rope, caches, meta))
+    assert torch.isfinite(outs[1]).all()
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_mixed_step_runs_prefill_rows_on_the_reference() -> None:

@@ -323,6 +323,17 @@ inline __m512 sum_lanes16(const __m512* a) {
 }
 #endif
 
+// Asks for n elements from p: a sequence's next block lies anywhere in the pool, where the
+// hardware prefetcher does not look, so each block would otherwise start with a memory stall.
+// Into L2 (locality 2), one block ahead: into L1, or further ahead, the requests filled the
+// miss buffers and stalled the loop themselves (decode attention, 16 × 192 tokens: ~220 →
+// ~150 µs a layer with the bf16-pair loops; one block ahead into L1, ~190).
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
 // Calls f(first token, its row pointer, tokens) for runs of at most 16 consecutive cached
 // tokens that lie inside one block; block(j) is block j's first row ([bs, D] contiguous).
 template <typename Block, typename F>
@@ -330,6 +341,7 @@ inline void for_token_runs(int64_t len, int64_t bs, int64_t D, const Block& bloc
   for (int64_t j = 0; j * bs < len; ++j) {
     const auto* rows = block(j);
     const int64_t nj = std::min(bs, len - j * bs);
+    if ((j + 1) * bs < len) prefetch_rows(block(j + 1), std::min(bs, len - (j + 1) * bs) * D);
     for (int64_t c = 0; c < nj; c += 16) f(j * bs + c, rows + c * D, std::min<int64_t>(16, nj - c));
   }
 }
@@ -412,9 +424,140 @@ inline void with_vectors(int64_t D, const F& f) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bf16 caches: keys and values multiplied as bf16 pairs (vdpbf16ps: two exact products added
+// into an fp32 lane), with no widened copy. q and the probabilities are rounded to bf16 first,
+// as the reference rounds them (its q is bf16 after rotary; it casts softmax to the cache
+// dtype before the value matmul); scores and sums stay fp32 (the reference rounds its scores to
+// bf16). A third of the widening kernel's instructions: it was compute-bound at ~70 cycles a
+// cached token per KV head. D = 32 · V2.
+inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// A run of n < 16 rows copied into buf ([16, D] bf16) with the rows past n zeroed: the loops
+// below read 16 rows, and a zero row times a zero probability must stay zero (stale cache rows
+// may hold anything, NaN included).
+inline const c10::BFloat16* run_bf16(const c10::BFloat16* rows, int64_t n, int64_t D, c10::BFloat16* buf) {
+  if (n == 16) return rows;
+  std::copy(rows, rows + n * D, buf);
+  std::fill(buf + n * D, buf + 16 * D, c10::BFloat16(0.f));
+  return buf;
+}
+
+template <int V2, typename Block>
+void head_scores_bf16(const float* q, int64_t G, int64_t len, int64_t bs, const Block& key, float sc,
+                      float* scores, c10::BFloat16* buf) {
+  constexpr int64_t D = V2 * 32;
+  const __m512 scale = _mm512_set1_ps(sc);
+  alignas(64) c10::BFloat16 qb[8 * D];  // G <= 8 (checked by the caller)
+  for (int64_t i = 0; i < G * D; i += 32)
+    _mm512_storeu_si512(qb + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i + 16), _mm512_loadu_ps(q + i)));
+  for_token_runs(len, bs, D, key, [&](int64_t t0, const c10::BFloat16* rows, int64_t n) {
+    const c10::BFloat16* k = run_bf16(rows, n, D, buf);
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512bh qv[V2];
+      for (int v = 0; v < V2; ++v) qv[v] = load_bh(qb + g * D + v * 32);
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bh(k + t * D));
+        for (int v = 1; v < V2; ++v) a = _mm512_dpbf16_ps(a, qv[v], load_bh(k + t * D + v * 32));
+        acc[t] = a;
+      }
+      _mm512_mask_storeu_ps(scores + g * len + t0, live, _mm512_mul_ps(sum_lanes16(acc), scale));
+    }
+  });
+}
+
+// out[g] = Σ_t probs[g, t] · value[t]. Tokens go in pairs: unpacking two value rows 16 bits at a
+// time gives, per fp32 lane, (v[t][d], v[t+1][d]), which vdpbf16ps multiplies by the pair
+// (p[t], p[t+1]) broadcast. Within each 128-bit lane that puts dims 0-3 of every 8 in the
+// unpacklo half and 4-7 in the unpackhi half; the sums are put back in order at the end.
+// pb: G rows of len + 1 bf16 probabilities (the last one zero, for an odd tail).
+template <int V2, typename Block>
+void head_values_bf16(const c10::BFloat16* pb, int64_t G, int64_t len, int64_t bs, const Block& value,
+                      float* out, c10::BFloat16* buf, c10::BFloat16* pairs) {
+  constexpr int64_t D = V2 * 32;
+  // Lanes of a sum: [lo | hi] per 32 dims, each in the permuted order above.
+  std::fill(out, out + G * D, 0.f);
+  for_token_runs(len, bs, D, value, [&](int64_t t0, const c10::BFloat16* rows, int64_t n) {
+    const c10::BFloat16* v = run_bf16(rows, n, D, buf);
+    for (int64_t i = 0; i < 16; i += 2)  // the run's pairs, unpacked once for the G heads
+      for (int c = 0; c < V2; ++c) {
+        const __m512i a = _mm512_loadu_si512(v + i * D + c * 32), b = _mm512_loadu_si512(v + (i + 1) * D + c * 32);
+        _mm512_storeu_si512(pairs + (i * V2 + 2 * c) * 32, _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(pairs + (i * V2 + 2 * c + 1) * 32, _mm512_unpackhi_epi16(a, b));
+      }
+    for (int64_t g = 0; g < G; ++g) {
+      const c10::BFloat16* pg = pb + g * (len + 1) + t0;
+      __m512 acc[2 * V2];
+      for (int c = 0; c < 2 * V2; ++c) acc[c] = _mm512_loadu_ps(out + g * D + c * 16);
+      for (int64_t i = 0; i < n; i += 2) {
+        int32_t pair;  // (p[t], p[t+1]); past the run's end p is zero (the next run's or the pad)
+        std::memcpy(&pair, pg + i, 4);
+        if (i + 1 >= n) pair &= 0xFFFF;
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+        for (int c = 0; c < 2 * V2; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], load_bh(pairs + (i * V2 + c) * 32), p);
+      }
+      for (int c = 0; c < 2 * V2; ++c) _mm512_storeu_ps(out + g * D + c * 16, acc[c]);
+    }
+  });
+  // Back in order: dim 8j + r of a 32-dim chunk sits in lane 4j + r of lo (r < 4), else of hi.
+  alignas(64) int32_t first[16], second[16];
+  for (int k = 0; k < 16; ++k) {
+    first[k] = (k % 8 < 4 ? 0 : 16) + 4 * (k / 8) + k % 4;
+    second[k] = first[k] + 8;
+  }
+  const __m512i i0 = _mm512_load_si512(first), i1 = _mm512_load_si512(second);
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < V2; ++c) {
+      float* o = out + g * D + c * 32;
+      const __m512 lo = _mm512_loadu_ps(o), hi = _mm512_loadu_ps(o + 16);
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, i0, hi));
+      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, i1, hi));
+    }
+}
+
+// scores [G, len] fp32 → G rows of len + 1 bf16 (round to nearest even; the last one zero).
+inline void probs_to_bf16(const float* scores, int64_t G, int64_t len, c10::BFloat16* pb) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* s = scores + g * len;
+    c10::BFloat16* d = pb + g * (len + 1);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) _mm256_storeu_si256((__m256i*)(d + t), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + t)));
+    for (; t < len; ++t) d[t] = from_f32<c10::BFloat16>(s[t]);
+    d[len] = c10::BFloat16(0.f);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The bf16-pair loops above take D = 32, 64, 96 or 128 and up to 8 query heads per KV head.
+inline bool bf16_pairs(int64_t D, int64_t G) { return D % 32 == 0 && D <= 128 && G <= 8; }
+
+template <typename F>
+inline void with_pair_vectors(int64_t D, const F& f) {
+  switch (D / 32) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    default: f.template operator()<4>(); break;
+  }
+}
+#endif
+
+// buf: 16 · D floats of scratch.
 template <typename T, typename Block>
 bool head_scores(const float* q, int64_t G, int64_t D, int64_t len, int64_t bs, const Block& key,
                  float sc, float* scores, float* buf) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (bf16_pairs(D, G)) {
+      auto* rows = reinterpret_cast<c10::BFloat16*>(buf);
+      with_pair_vectors(D, [&]<int V2>() { head_scores_bf16<V2>(q, G, len, bs, key, sc, scores, rows); });
+      return true;
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   if constexpr (kAvxElement<T>) {
     if (!avx_head_dim(D)) return false;
@@ -425,9 +568,21 @@ bool head_scores(const float* q, int64_t G, int64_t D, int64_t len, int64_t bs, 
   return false;
 }
 
+// buf: 16 · D floats of scratch; pb: G · (len + 1) bf16 of scratch (the bf16 path's
+// probabilities).
 template <typename T, typename Block>
 bool head_values(const float* probs, int64_t G, int64_t D, int64_t len, int64_t bs,
-                 const Block& value, float* out, float* buf) {
+                 const Block& value, float* out, float* buf, c10::BFloat16* pb) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (bf16_pairs(D, G)) {
+      probs_to_bf16(probs, G, len, pb);
+      auto* rows = reinterpret_cast<c10::BFloat16*>(buf);  // [0, 16 D): a short run; then the pairs
+      with_pair_vectors(D, [&]<int V2>() { head_values_bf16<V2>(pb, G, len, bs, value, out, rows, rows + 16 * D); });
+      return true;
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   if constexpr (kAvxElement<T>) {
     if (!avx_head_dim(D)) return false;
@@ -570,6 +725,7 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
     const float sc = static_cast<float>(scale);
     at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> q(G * D), k(D), acc(G * D), buf(16 * D), denom(G), scores;
+      std::vector<c10::BFloat16> pb;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / KV, kvh = task % KV, len = lens[b], pos = len - 1;
         const T* row = qp + b * (H + 2 * KV) * D;
@@ -602,7 +758,8 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
           float* sg = scores.data() + g * len;
           denom[g] = exp_row(sg, len, *std::max_element(sg, sg + len));
         }
-        if (!head_values<T>(scores.data(), G, D, len, bs, value_block, acc.data(), buf.data())) {
+        pb.resize(G * (len + 1));
+        if (!head_values<T>(scores.data(), G, D, len, bs, value_block, acc.data(), buf.data(), pb.data())) {
           std::fill(acc.begin(), acc.end(), 0.f);  // (head_values zeroes its own output)
           for (int64_t t = 0; t < len; ++t) {
             const T* vr = value(t);
