@@ -88,6 +88,8 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str = ""
+    unsent: bool = False  # failed before any response: a dead keep-alive connection
+    retried: bool = False
 
 
 def check_loopback(url: str) -> None:
@@ -113,6 +115,21 @@ async def one_request(client, args: argparse.Namespace, prompt: str) -> Result: 
     if args.model:
         body["model"] = args.model
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    res = await _stream_once(client, args, body, headers)
+    for _ in range(2):
+        if not res.unsent:
+            break
+        # A pooled keep-alive connection the server had already closed (llama-server closes
+        # idle ones): nothing came back, so it is sent again, as HTTP clients do (the openai
+        # client retries these too); the pool drops the dead connection. Counted.
+        res = await _stream_once(client, args, body, headers)
+        res.retried = True
+    return res
+
+
+async def _stream_once(client, args: argparse.Namespace, body: dict, headers: dict) -> Result:  # noqa: ANN001
+    import httpx
+
     t0 = time.perf_counter()
     res = Result(ok=False)
     last = None
@@ -144,6 +161,8 @@ async def one_request(client, args: argparse.Namespace, prompt: str) -> Result: 
         res.ok = True
     except Exception as e:  # noqa: BLE001  (a failed request is data, not a crash)
         res.error = repr(e)
+        # Nothing came back at all: the connection was dead before the server read it.
+        res.unsent = isinstance(e, httpx.RemoteProtocolError) and last is None and not res.ttft
     return res
 
 
@@ -191,6 +210,7 @@ def report(results: list[Result], wall: float, args: argparse.Namespace) -> dict
         "requests": len(results),
         "completed": len(ok),
         "errors": len(results) - len(ok),
+        "retried": sum(r.retried for r in results),
         "input_len": args.input_len,
         "output_len": args.output_len,
         "temperature": args.temperature,
@@ -212,7 +232,7 @@ def report(results: list[Result], wall: float, args: argparse.Namespace) -> dict
 def print_report(rep: dict) -> None:
     print(
         f"url {rep['url']}  concurrency {rep['concurrency']}  requests {rep['requests']}  "
-        f"errors {rep['errors']}  wall {rep['wall_s']:.1f}s"
+        f"errors {rep['errors']}  retried {rep.get('retried', 0)}  wall {rep['wall_s']:.1f}s"
     )
     print(
         f"throughput: {rep['request_throughput']:.2f} req/s, "
