@@ -75,7 +75,9 @@ def test_a_request_on_a_dead_keep_alive_connection_is_sent_again():
             if seen <= drop:  # the connection dies with nothing sent
                 writer.close()
                 return
-            writer.write(answer if status == 200 else b"HTTP/1.1 500 x\r\ncontent-length: 0\r\n\r\n")
+            writer.write(
+                answer if status == 200 else b"HTTP/1.1 500 x\r\ncontent-length: 0\r\n\r\n"
+            )
             await writer.drain()
             writer.close()
 
