@@ -121,6 +121,77 @@ def test_invalid_params_name_the_field(kw):
 
 # -- the batched draw (worker/token_draw.py) against filter_rows' distribution ------------------
 
+
+@pytest.fixture(params=["kernel", "torch"])
+def candidates_path(request, monkeypatch):
+    """The draws below run with the C++ candidate op (the fused backend has it loaded) and with
+    the torch ops that stand in for it elsewhere."""
+    from dsinfer.layers.kernels.cpu_build import load_cpu_ops
+    from dsinfer.worker import token_draw
+
+    if request.param == "kernel":
+        assert load_cpu_ops() is None
+        assert token_draw._cpu_ops(torch.zeros(1, 2), "softmax_top_candidates")
+        assert token_draw._cpu_ops(torch.zeros(1, 2), "sample_full_rows")
+    else:
+        monkeypatch.setattr(token_draw, "_cpu_ops", lambda logits, op: False)
+    return request.param
+
+
+def test_candidate_op_is_softmax_then_topk():
+    """softmax_top_candidates against torch's division, softmax and top-k: rows of a large
+    vocabulary, a vocabulary that is not a multiple of 16, n up to the whole row, rows with
+    removed (-inf) tokens, and rows without a distribution (NaN, all -inf)."""
+    from dsinfer.layers.kernels.cpu_build import load_cpu_ops
+
+    assert load_cpu_ops() is None
+    g = torch.Generator().manual_seed(0)
+    for vocab, rows, n in [(49152, 4, 256), (49152, 2, 4096), (600, 5, 256), (37, 3, 37)]:
+        ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+        x = torch.stack(
+            [(-1.2 * ranks.log())[torch.randperm(vocab, generator=g)] * 6 for _ in range(rows)]
+        )
+        x += torch.randn(x.shape, generator=g)
+        x[0, ::3] = float("-inf")  # a grammar's mask
+        t = torch.rand(rows, generator=g) + 0.4
+        probs, ids = torch.ops.dsinfer.softmax_top_candidates(x, t, n)
+        want_p, want_ids = torch.topk(torch.softmax(x / t[:, None], dim=-1), n)
+        torch.testing.assert_close(probs, want_p, rtol=1e-5, atol=1e-9)
+        # Ids agree wherever a probability is not tied with a neighbour's.
+        pad = torch.full((rows, 1), -1.0)
+        before, after = torch.cat([pad, want_p[:, :-1]], 1), torch.cat([want_p[:, 1:], pad], 1)
+        distinct = (want_p != before) & (want_p != after) & (want_p > 0)
+        assert torch.equal(ids[distinct], want_ids[distinct])
+        assert (probs[x.gather(1, ids) == float("-inf")] == 0).all()  # removed: never drawn
+    x = torch.randn(3, 100)
+    x[0, 7] = float("nan")
+    x[1] = float("-inf")
+    probs, _ = torch.ops.dsinfer.softmax_top_candidates(x, torch.ones(3), 10)
+    assert probs[:2].isnan().all() and probs[2].isfinite().all()
+
+
+def test_whole_row_op_draws_only_what_the_row_allows():
+    """sample_full_rows: removed tokens (-inf) are never drawn, whatever the uniform (0, the
+    edges of blocks, just below 1); a row without a distribution answers -1."""
+    from dsinfer.layers.kernels.cpu_build import load_cpu_ops
+
+    assert load_cpu_ops() is None
+    x = torch.full((5, 600), float("-inf"))
+    x[0, 257] = 0.0  # one token, in the second block of 256
+    x[1, [3, 599]] = torch.tensor([1.0, 2.0])  # the first token and the last of a partial block
+    x[2] = torch.randn(600)
+    x[3, 10] = float("nan")
+    x[4] = float("-inf")  # nothing allowed
+    for u in (0.0, 0.25, 0.5, 1 - 1e-12):
+        ids = torch.ops.dsinfer.sample_full_rows(
+            x, torch.ones(5), torch.full((5,), u, dtype=torch.float64)
+        )
+        assert ids[0] == 257 and ids[1] in (3, 599) and 0 <= ids[2] < 600
+        assert ids[3] == -1 and ids[4] == -1
+    ids = [torch.ops.dsinfer.sample_full_rows(x[1:2], torch.ones(1), torch.tensor([u], dtype=torch.float64)).item() for u in (0.1, 0.9)]  # fmt: skip
+    assert ids == [3, 599]  # e / (e + e²) = 0.27: the inverse CDF in order
+
+
 _VOCAB = 600  # more than the 256 top-p candidates: both paths of draw_sampled run
 
 
@@ -150,7 +221,7 @@ def _draw_many(row: torch.Tensor, params: SamplingParams, n: int = 6000) -> torc
         (0.3, dict(temperature=1.0, top_k=100, top_p=0.5)),  # nucleus of the top-k renormalised
     ],
 )
-def test_batched_draws_follow_the_filtered_distribution(sharpness, kw):
+def test_batched_draws_follow_the_filtered_distribution(sharpness, kw, candidates_path):
     row = _lm_like_row(sharpness, seed=7)
     params = SamplingParams(**kw)
     want = torch.softmax(filter_logits(row.clone(), params), dim=-1)
@@ -159,7 +230,7 @@ def test_batched_draws_follow_the_filtered_distribution(sharpness, kw):
     assert (got - want).abs().max() < 0.02, (got - want).abs().max()
 
 
-def test_candidate_and_full_paths_give_the_same_support():
+def test_candidate_and_full_paths_give_the_same_support(candidates_path):
     # top-p rows whose nucleus fits in the candidates against filter_rows' support, for many
     # parameter combinations: every token drawn is in it, and most of it is drawn.
     for seed, (k, p, m) in enumerate([(-1, 0.5, 0.0), (3, 1.0, 0.0), (40, 0.99, 0.1)]):
@@ -183,7 +254,7 @@ def test_draw_never_picks_a_zero_probability_token():
     assert all(t == 257 for t in tokens[1::2])
 
 
-def test_a_row_of_nan_logits_does_not_stop_the_batch():
+def test_a_row_of_nan_logits_does_not_stop_the_batch(candidates_path):
     rows = torch.randn(3, _VOCAB)
     rows[1] = float("nan")
     states = [_state(seed=s, temperature=0.8, top_p=0.9) for s in range(3)]
