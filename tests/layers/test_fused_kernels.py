@@ -62,7 +62,7 @@ def _paged_step(dtype: torch.dtype, lens: list[int], heads: int, kv: int, d: int
     meta = decode_metadata(lens, tables, bs)
     pos = meta.decode_seq_lens - 1
     qkv = torch.randn(len(lens), (heads + 2 * kv) * d, generator=g).to(dtype)
-    rope = RotaryEmbedding(d, 128, RopeConfig()).cos_sin(pos, dtype)
+    rope = RotaryEmbedding(d, max(128, max(lens)), RopeConfig()).cos_sin(pos, dtype)
     return qkv, rope, (k_cache, v_cache), meta
 
 
@@ -88,6 +88,30 @@ def test_paged_decode_attention_matches_reference(
     for a, b in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(a, b, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(got, want, atol=2 * TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [16, 48])  # 48 does not tile the 512-token chunks: no split
+def test_long_sequences_split_into_chunks_match_reference_and_their_batch(dtype, bs):
+    """A sequence past 1,024 tokens is attended in chunks of 512 merged after; it matches the
+    reference, and gives the same bits alone as among other rows (the cut depends on its own
+    length only)."""
+    lens = [1025, 7, 1600, 2100]
+    heads, kv, d = 6, 2, 64
+    qkv, rope, caches, meta = _paged_step(dtype, lens, heads, kv, d, bs)
+    shape = dict(num_heads=heads, num_kv_heads=kv, head_dim=d, scale=d**-0.5)
+    ref_caches = tuple(c.clone() for c in caches)
+    want = TorchPagedAttention(**shape).forward_qkv(qkv, rope, ref_caches, meta)
+    got = FusedCpuPagedAttention(**shape).forward_qkv(qkv, rope, caches, meta)
+    torch.testing.assert_close(got, want, atol=2 * TOL[dtype], rtol=TOL[dtype])
+    tables = meta.decode_block_tables
+    for i in (2, 3):  # alone: its own metadata, the same caches
+        one = decode_metadata([lens[i]], [tables[i, : -(-lens[i] // bs)].tolist()], bs)
+        rope_i = type(rope)(
+            rope.cos[i : i + 1], rope.sin[i : i + 1], rope.table_cos, rope.table_sin
+        )
+        alone = FusedCpuPagedAttention(**shape).forward_qkv(qkv[i : i + 1], rope_i, caches, one)
+        assert torch.equal(alone[0], got[i])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

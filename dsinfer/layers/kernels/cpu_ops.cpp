@@ -685,6 +685,9 @@ at::Tensor rope_write_prefill(const at::Tensor& qkv, const at::Tensor& cos, cons
   return out;
 }
 
+// Decode attention cuts a sequence longer than twice this into chunks of this many tokens.
+constexpr int64_t kDecodeSplit = 512;
+
 // One decode token per sequence: rotate q and k at position seq_len - 1, write k and v into the
 // paged cache, attend over the sequence's seq_len cached tokens. One task per (sequence, KV
 // head) serves its G query heads together, so each cached key and value is read once.
@@ -723,21 +726,43 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
     const float sc = static_cast<float>(scale);
-    at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
+    // Tasks: (sequence, KV head, chunk). A sequence longer than 2 · kDecodeSplit tokens is cut
+    // into chunks of kDecodeSplit (when its blocks tile them), each attended on its own and
+    // merged after: one long sequence's few KV heads would otherwise leave threads idle and
+    // read its cache one stream at a time. The cut depends on the sequence's length alone, so
+    // its output does not depend on what else is in the batch.
+    const bool splittable = kDecodeSplit % bs == 0;
+    std::vector<int64_t> first_chunk(B + 1, 0);  // task index of (b, kvh 0, chunk 0) / KV
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = splittable && lens[b] > 2 * kDecodeSplit ? (lens[b] + kDecodeSplit - 1) / kDecodeSplit : 1;
+      first_chunk[b + 1] = first_chunk[b] + n;
+    }
+    const int64_t tasks = first_chunk[B] * KV;
+    // Per task of a split sequence: its running max and sum per head, then its G · D sums.
+    const bool any_split = first_chunk[B] > B;
+    std::vector<float> part(any_split ? tasks * G * (D + 2) : 0);
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> q(G * D), k(D), acc(G * D), buf(16 * D), denom(G), scores;
       std::vector<c10::BFloat16> pb;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / KV, kvh = task % KV, len = lens[b], pos = len - 1;
+        const int64_t seq_chunk = task / KV, kvh = task % KV;
+        const int64_t b = std::upper_bound(first_chunk.begin(), first_chunk.end(), seq_chunk) - first_chunk.begin() - 1;
+        const int64_t chunk = seq_chunk - first_chunk[b], chunks = first_chunk[b + 1] - first_chunk[b];
+        const int64_t seq_len = lens[b], pos = seq_len - 1;
+        const int64_t t_begin = chunk * kDecodeSplit;
+        const int64_t len = chunks == 1 ? seq_len : std::min(seq_len, t_begin + kDecodeSplit) - t_begin;
         const T* row = qp + b * (H + 2 * KV) * D;
-        const int64_t* table = bt + b * nbt;
-        const int64_t blk = table[pos / bs];
-        TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
-        const int64_t slot = ((blk * KV + kvh) * bs + pos % bs) * D;
-        rotate(row + (H + kvh) * D, cp + pos * D, sp + pos * D, k.data(), D);
-        const T* v = row + (H + KV + kvh) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          kc[slot + d] = from_f32<T>(k[d]);
-          vc[slot + d] = v[d];
+        const int64_t* table = bt + b * nbt + t_begin / bs;  // this chunk's blocks
+        if (chunk == chunks - 1) {  // the chunk holding the new token writes it first
+          const int64_t blk = bt[b * nbt + pos / bs];
+          TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
+          const int64_t slot = ((blk * KV + kvh) * bs + pos % bs) * D;
+          rotate(row + (H + kvh) * D, cp + pos * D, sp + pos * D, k.data(), D);
+          const T* v = row + (H + KV + kvh) * D;
+          for (int64_t d = 0; d < D; ++d) {
+            kc[slot + d] = from_f32<T>(k[d]);
+            vc[slot + d] = v[d];
+          }
         }
         for (int64_t g = 0; g < G; ++g) {
           rotate(row + (kvh * G + g) * D, cp + pos * D, sp + pos * D, q.data() + g * D, D);
@@ -754,9 +779,12 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
             for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot(q.data() + g * D, kr, D) * sc;
           }
         }
+        float* mine = chunks > 1 ? part.data() + task * G * (D + 2) : nullptr;  // [max G | sum G | G·D]
         for (int64_t g = 0; g < G; ++g) {
           float* sg = scores.data() + g * len;
-          denom[g] = exp_row(sg, len, *std::max_element(sg, sg + len));
+          const float m = *std::max_element(sg, sg + len);
+          denom[g] = exp_row(sg, len, m);
+          if (mine) mine[g] = m;
         }
         pb.resize(G * (len + 1));
         if (!head_values<T>(scores.data(), G, D, len, bs, value_block, acc.data(), buf.data(), pb.data())) {
@@ -766,10 +794,41 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
             for (int64_t g = 0; g < G; ++g) axpy(scores[g * len + t], vr, acc.data() + g * D, D);
           }
         }
+        if (mine) {
+          std::copy(denom.begin(), denom.end(), mine + G);
+          std::copy(acc.begin(), acc.end(), mine + 2 * G);
+          continue;
+        }
         for (int64_t g = 0; g < G; ++g) {
           T* o = op + b * H * D + (kvh * G + g) * D;
           const float inv = 1.f / denom[g];
           for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(acc[g * D + d] * inv);
+        }
+      }
+    });
+    if (!any_split) return;
+    // Merge the chunks of each split (sequence, KV head): rescale each chunk's sums from its
+    // own max to the overall one, in chunk order.
+    at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(D);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / KV, kvh = i % KV, chunks = first_chunk[b + 1] - first_chunk[b];
+        if (chunks == 1) continue;
+        const auto chunk_part = [&](int64_t c) { return part.data() + ((first_chunk[b] + c) * KV + kvh) * G * (D + 2); };
+        for (int64_t g = 0; g < G; ++g) {
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t c = 0; c < chunks; ++c) m = std::max(m, chunk_part(c)[g]);
+          float total = 0.f;
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t c = 0; c < chunks; ++c) {
+            const float* pc = chunk_part(c);
+            const float w = exp_f32(pc[g] - m);
+            total += w * pc[G + g];
+            for (int64_t d = 0; d < D; ++d) acc[d] += w * pc[2 * G + g * D + d];
+          }
+          T* o = op + b * H * D + (kvh * G + g) * D;
+          const float inv = 1.f / total;
+          for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(acc[d] * inv);
         }
       }
     });
