@@ -534,14 +534,10 @@ inline void probs_to_bf16(const float* scores, int64_t G, int64_t len, c10::BFlo
 // The bf16-pair loops above take D = 32, 64, 96 or 128 and up to 8 query heads per KV head.
 inline bool bf16_pairs(int64_t D, int64_t G) { return D % 32 == 0 && D <= 128 && G <= 8; }
 
+// f.operator()<V2>() for V2 = D / 32 (with_vectors' switch, counting pairs of vectors).
 template <typename F>
 inline void with_pair_vectors(int64_t D, const F& f) {
-  switch (D / 32) {
-    case 1: f.template operator()<1>(); break;
-    case 2: f.template operator()<2>(); break;
-    case 3: f.template operator()<3>(); break;
-    default: f.template operator()<4>(); break;
-  }
+  with_vectors(D / 2, f);
 }
 #endif
 
