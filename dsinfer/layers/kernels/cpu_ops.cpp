@@ -326,8 +326,8 @@ inline __m512 sum_lanes16(const __m512* a) {
 // Asks for n elements from p: a sequence's next block lies anywhere in the pool, where the
 // hardware prefetcher does not look, so each block would otherwise start with a memory stall.
 // Into L2 (locality 2), one block ahead: into L1, or further ahead, the requests filled the
-// miss buffers and stalled the loop themselves (decode attention, 16 × 192 tokens: ~220 →
-// ~150 µs a layer with the bf16-pair loops; one block ahead into L1, ~190).
+// miss buffers and stalled the loop themselves (decode attention with the bf16-pair loops, 16
+// × 192 tokens: no prefetch or into L1 ~165-195 µs a layer, into L2 ~130-165).
 template <typename T>
 inline void prefetch_rows(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -492,7 +492,7 @@ void head_values_bf16(const c10::BFloat16* pb, int64_t G, int64_t len, int64_t b
       __m512 acc[2 * V2];
       for (int c = 0; c < 2 * V2; ++c) acc[c] = _mm512_loadu_ps(out + g * D + c * 16);
       for (int64_t i = 0; i < n; i += 2) {
-        int32_t pair;  // (p[t], p[t+1]); past the run's end p is zero (the next run's or the pad)
+        int32_t pair;  // (p[t], p[t+1]); an odd run's last token pairs with a zero
         std::memcpy(&pair, pg + i, 4);
         if (i + 1 >= n) pair &= 0xFFFF;
         const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
@@ -686,7 +686,8 @@ constexpr int64_t kDecodeSplit = 512;
 
 // One decode token per sequence: rotate q and k at position seq_len - 1, write k and v into the
 // paged cache, attend over the sequence's seq_len cached tokens. One task per (sequence, KV
-// head) serves its G query heads together, so each cached key and value is read once.
+// head) serves its G query heads together, so each cached key and value is read once (a long
+// sequence: one task per chunk of kDecodeSplit tokens, below).
 //   qkv [B, (H + 2 KV) D]; cos/sin [max_pos, D] fp32; caches [blocks, KV, block_size, D];
 //   block_tables [B, >= ceil(seq_len / block_size)] int64; seq_lens [B] int64 -> [B, H D].
 at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
