@@ -15,29 +15,16 @@ Each figure is the best of 7 rounds: these machines are noisy (±20%).
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
+from dsinfer.bench.stats import best_seconds
 from dsinfer.layers.kernels.cpu_build import load_cpu_ops
 from dsinfer.sampling import SamplingParams
 from dsinfer.worker import token_draw
 from dsinfer.worker.sampler import Sampler, SamplerState
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 9, 3, 64, 30, 49152
-
-
-def best_of(fn: Callable[[], object], calls: int, rounds: int = 7) -> float:
-    """Seconds per call: the fastest of `rounds` rounds of `calls` calls."""
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
 
 
 def attention(batch: int, context: int, block_size: int = 16) -> str:
@@ -62,7 +49,7 @@ def attention(batch: int, context: int, block_size: int = 16) -> str:
         for k, v in caches:
             op(qkv, cos, sin, k, v, tables, lens, HEADS, KV_HEADS, HEAD_DIM**-0.5)
 
-    per_layer = best_of(all_layers, calls=10) / LAYERS
+    per_layer = best_seconds(all_layers, calls=10, rounds=7) / LAYERS
     read = batch * context * KV_HEADS * HEAD_DIM * 2 * 2  # keys and values, bf16
     return f"| {batch} | {context} | {1e6 * per_layer:.0f} | {read / per_layer / 1e9:.1f} |"
 
@@ -83,7 +70,7 @@ def sampling(kw: dict) -> str:
         if path == "torch ops":
             token_draw._cpu_ops = lambda logits, op: False  # type: ignore[assignment]
         try:
-            times[path] = best_of(lambda: sampler(logits.clone(), states), calls=20)
+            times[path] = best_seconds(lambda: sampler(logits.clone(), states), calls=20, rounds=7)
         finally:
             token_draw._cpu_ops = cpu_ops  # type: ignore[assignment]
     params = ", ".join(f"{k}={v}" for k, v in kw.items())

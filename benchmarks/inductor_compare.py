@@ -26,20 +26,13 @@ from collections.abc import Callable
 import torch
 
 from dsinfer import LLM
+from dsinfer.bench.stats import best_seconds
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.step_io import ScheduledSeq
 
 
 def _best_ms(step: Callable[[], torch.Tensor], runs: int = 5, steps: int = 20) -> float:
-    for _ in range(3):
-        step()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        best = min(best, (time.perf_counter() - t0) / steps)
-    return best * 1e3
+    return 1e3 * best_seconds(step, calls=steps, rounds=runs, warmup=3)
 
 
 def _decode_step(llm: LLM, rows: int, context: int, program: bool) -> Callable[[], torch.Tensor]:

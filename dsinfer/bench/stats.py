@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -25,6 +26,20 @@ def summarize(values: list[float]) -> dict[str, float]:
         "p95": percentile(values, 95),
         "p99": percentile(values, 99),
     }
+
+
+def best_seconds(fn: Callable[[], object], calls: int, rounds: int, warmup: int = 1) -> float:
+    """Seconds per call of fn: the fastest of `rounds` rounds of `calls` calls, after `warmup`
+    calls (these machines are noisy; the best round is the least disturbed one)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
 
 
 def _status_mib(pid: int, field: str) -> float:
