@@ -85,11 +85,7 @@ def draw_tokens(probs: torch.Tensor, generators: list[torch.Generator]) -> list[
     padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
     blocks = padded.view(b, -1, _DRAW_BLOCK)  # [B, NB, 256]
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [B, NB]
-    # On the generator's device (a request's generator lives where the model runs).
-    u = torch.cat(
-        [torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generators]
-    )
-    u = u.to(probs.device) * block_cdf[:, -1]  # [B], in [0, mass)
+    u = _uniforms(generators, probs.device) * block_cdf[:, -1]  # [B], in [0, mass)
     # right=True: the first entry whose cumulative mass exceeds u; an entry of zero mass has an
     # empty interval and is never chosen.
     nb = block_cdf.shape[1]
@@ -114,9 +110,26 @@ def draw_tokens(probs: torch.Tensor, generators: list[torch.Generator]) -> list[
         nonzero = torch.nonzero(inner[row] > 0).flatten()
         if len(nonzero):
             out[row] = int(block[row]) * _DRAW_BLOCK + int(nonzero[-1])
-        else:  # a row without finite mass (NaN logits): the argmax, as greedy would take
-            out[row] = int(torch.nan_to_num(probs[row], nan=-1.0).argmax())
+        else:  # a row without finite mass (NaN logits)
+            out[row] = _nan_argmax(probs[row])
     return out
+
+
+def _uniforms(generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
+    """One fp64 uniform in [0, 1) from each row's generator, drawn on the generator's device (a
+    request's generator lives where the model runs) → [B] on `device`."""
+    u = [torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generators]
+    return torch.cat(u).to(device)
+
+
+def _nan_argmax(row: torch.Tensor) -> int:
+    """The token of a row without a distribution (NaN logits): its argmax, as greedy takes it."""
+    return int(torch.nan_to_num(row, nan=-1.0).argmax())
+
+
+def _short_support(p: SamplingParams, vocab: int) -> bool:
+    """Whether top-k or top-p cut the row: its support may lie within a candidate tier."""
+    return 0 < p.top_k < vocab or p.top_p < 1.0
 
 
 def draw_sampled(
@@ -127,7 +140,7 @@ def draw_sampled(
     picks: list[int | None] = [None] * len(params)
     # Rows with a short support try the candidate tiers in turn; the rest (and a nucleus
     # longer than the last tier) are drawn from the whole row.
-    pending = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    pending = [j for j, p in enumerate(params) if _short_support(p, vocab)]
     for n in _CANDIDATE_TIERS:
         if not pending:
             break
@@ -135,8 +148,7 @@ def draw_sampled(
     rest = [j for j, token in enumerate(picks) if token is None]
     if rest and _cpu_ops(logits, "sample_full_rows"):
         # Temperature alone (the OpenAI default): the whole row, in one C++ pass a row.
-        whole = [j for j in rest if params[j].min_p <= 0.0 and params[j].top_p >= 1.0]
-        whole = [j for j in whole if not 0 < params[j].top_k < vocab]
+        whole = [j for j in rest if params[j].min_p <= 0.0 and not _short_support(params[j], vocab)]
         if whole:
             _draw_whole_rows(logits, params, generators, whole, picks)
             rest = [j for j in rest if picks[j] is None]
@@ -187,13 +199,10 @@ def _draw_whole_rows(
     cumulative distribution over blocks of 256 tokens, then inside the block)."""
     ls = logits[rows] if len(rows) < logits.shape[0] else logits
     t = torch.tensor([params[j].temperature for j in rows], dtype=torch.float32)
-    gens = [generators[j] for j in rows]
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in gens])
-    u = u.cpu()
+    u = _uniforms([generators[j] for j in rows], ls.device)
     ids = torch.ops.dsinfer.sample_full_rows(ls.contiguous(), t, u).tolist()
     for r, (j, token) in enumerate(zip(rows, ids, strict=True)):
-        # No distribution (NaN logits): the argmax, as draw_tokens takes it.
-        picks[j] = token if token >= 0 else int(torch.nan_to_num(ls[r], nan=-1.0).argmax())
+        picks[j] = token if token >= 0 else _nan_argmax(ls[r])  # -1: no distribution
 
 
 def _draw_from_candidates(

@@ -1674,6 +1674,40 @@ void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask) {
 // A row whose max or sum is not finite (NaN logits, every token removed) gets NaN
 // probabilities: the caller draws it on its own path.
 //   logits [B, V] fp32, temperature [B] fp32 (> 0) -> probs [B, n] fp32, ids [B, n] int64.
+// The max of a row of logits, and whether it holds a NaN (max_ps drops NaNs, and exp's clamps
+// would make them finite): the sampling ops' first pass.
+inline float row_max(const float* l, int64_t V, bool& nan) {
+  float lmax = -std::numeric_limits<float>::infinity();
+  nan = false;
+  int64_t v = 0;
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(lmax);
+  __mmask16 unordered = 0;
+  for (; v + 16 <= V; v += 16) {
+    const __m512 x = _mm512_loadu_ps(l + v);
+    unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    mv = _mm512_max_ps(mv, x);
+  }
+  lmax = _mm512_reduce_max_ps(mv);
+  nan = unordered != 0;
+#endif
+  for (; v < V; ++v) {
+    nan |= std::isnan(l[v]);
+    lmax = std::max(lmax, l[v]);
+  }
+  return lmax;
+}
+
+// exp(y) for y = logit / t − max ≤ 0, and exactly 0 for a removed token (y = -inf), where
+// exp_f32 and exp16 would clamp it to ~1e-38.
+inline float token_weight(float y) { return y == -std::numeric_limits<float>::infinity() ? 0.f : exp_f32(y); }
+#if defined(__AVX512F__)
+inline __m512 token_weight16(__m512 y) {
+  const __mmask16 live = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+  return _mm512_maskz_mov_ps(live, exp16(y));
+}
+#endif
+
 namespace {
 constexpr int kDrawBins = 256;
 constexpr float kDrawBinsPerUnit = 8.f;
@@ -1701,30 +1735,13 @@ std::tuple<at::Tensor, at::Tensor> softmax_top_candidates(const at::Tensor& logi
       const float t = tp[r];
       float* po = pp + r * n;
       int64_t* io = ip + r * n;
-      float lmax = -std::numeric_limits<float>::infinity();
-      bool nan = false;  // max_ps drops NaNs, and exp16's clamps would make them finite
-      int64_t v = 0;
-#if defined(__AVX512F__)
-      __m512 mv = _mm512_set1_ps(lmax);
-      __mmask16 unordered = 0;
-      for (; v + 16 <= V; v += 16) {
-        const __m512 x = _mm512_loadu_ps(l + v);
-        unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        mv = _mm512_max_ps(mv, x);
-      }
-      lmax = _mm512_reduce_max_ps(mv);
-      nan = unordered != 0;
-#endif
-      for (; v < V; ++v) {
-        nan |= std::isnan(l[v]);
-        lmax = std::max(lmax, l[v]);
-      }
-      const float m = lmax / t;
+      bool nan;
+      const float m = row_max(l, V, nan) / t;
       // Four histograms, token v into h[v % 4]: one shared counter would chain every
       // increment of the (crowded) last bin on the one before.
       int32_t hist[4][kDrawBins] = {};
       float sum = 0.f;
-      v = 0;
+      int64_t v = 0;
 #if defined(__AVX512F__)
       {
         const __m512 tv = _mm512_set1_ps(t), mm = _mm512_set1_ps(m);
@@ -1733,9 +1750,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_top_candidates(const at::Tensor& logi
         alignas(64) int32_t bins[16];
         for (; v + 16 <= V; v += 16) {
           const __m512 y = _mm512_sub_ps(_mm512_div_ps(_mm512_loadu_ps(l + v), tv), mm);
-          // A removed token (-inf) has probability 0 exactly: exp16 would clamp it to ~1e-38.
-          const __mmask16 live = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
-          acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(live, exp16(y)));
+          acc = _mm512_add_ps(acc, token_weight16(y));
           // −y ≥ 0; NaN and +inf end up in the last bin (min returns its second operand).
           const __m512 b = _mm512_min_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), y), per), top);
           _mm512_store_si512(bins, _mm512_cvttps_epi32(b));
@@ -1746,7 +1761,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_top_candidates(const at::Tensor& logi
 #endif
       for (; v < V; ++v) {
         const float y = l[v] / t - m;
-        sum += std::isinf(y) ? 0.f : exp_f32(y);
+        sum += token_weight(y);
         const float b = std::min(-y * kDrawBinsPerUnit, static_cast<float>(kDrawBins - 1));
         ++hist[v & 3][b >= 0.f ? static_cast<int>(b) : kDrawBins - 1];
       }
@@ -1791,7 +1806,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_top_candidates(const at::Tensor& logi
       std::partial_sort(cand.begin(), cand.begin() + n, cand.end(), first);
       const float inv = 1.f / sum;
       for (int64_t i = 0; i < n; ++i) {
-        po[i] = std::isinf(cand[i].first) ? 0.f : exp_f32(cand[i].first) * inv;
+        po[i] = token_weight(cand[i].first) * inv;
         io[i] = cand[i].second;
       }
     }
@@ -1821,24 +1836,14 @@ at::Tensor sample_full_rows(const at::Tensor& logits, const at::Tensor& temperat
   const float* tp = temperature.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   int64_t* ip = ids.data_ptr<int64_t>();
-  const float ninf = -std::numeric_limits<float>::infinity();
-  // exp(l / t − m), 0 for a removed token (exp_f32 would clamp -inf to ~1e-38).
-  const auto weight = [ninf](float l, float t, float m) {
-    const float y = l / t - m;
-    return y == ninf ? 0.f : exp_f32(y);
-  };
   at::parallel_for(0, B, 1, [&](int64_t r0, int64_t r1) {
     std::vector<double> blocks((V + kBlock - 1) / kBlock);
+    float weights[kBlock];  // the chosen block's, computed once for its sum and its scan
     for (int64_t r = r0; r < r1; ++r) {
       const float* l = lp + r * V;
       const float t = tp[r];
-      float lmax = ninf;
-      bool nan = false;
-      for (int64_t v = 0; v < V; ++v) {  // (vectorised by the compiler: no intrinsics needed)
-        nan |= l[v] != l[v];
-        lmax = l[v] > lmax ? l[v] : lmax;
-      }
-      const float m = lmax / t;
+      bool nan;
+      const float m = row_max(l, V, nan) / t;
       if (nan || !std::isfinite(m)) {
         ip[r] = -1;
         continue;
@@ -1849,15 +1854,13 @@ at::Tensor sample_full_rows(const at::Tensor& logits, const at::Tensor& temperat
         float part = 0.f;
         int64_t v = v0;
 #if defined(__AVX512F__)
-        const __m512 tv = _mm512_set1_ps(t), mm = _mm512_set1_ps(m), inf = _mm512_set1_ps(ninf);
+        const __m512 tv = _mm512_set1_ps(t), mm = _mm512_set1_ps(m);
         __m512 acc = _mm512_setzero_ps();
-        for (; v + 16 <= v1; v += 16) {
-          const __m512 y = _mm512_sub_ps(_mm512_div_ps(_mm512_loadu_ps(l + v), tv), mm);
-          acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(y, inf, _CMP_NEQ_OQ), exp16(y)));
-        }
+        for (; v + 16 <= v1; v += 16)
+          acc = _mm512_add_ps(acc, token_weight16(_mm512_sub_ps(_mm512_div_ps(_mm512_loadu_ps(l + v), tv), mm)));
         part = _mm512_reduce_add_ps(acc);
 #endif
-        for (; v < v1; ++v) part += weight(l[v], t, m);
+        for (; v < v1; ++v) part += token_weight(l[v] / t - m);
         blocks[b] = part;
         total += part;
       }
@@ -1868,17 +1871,16 @@ at::Tensor sample_full_rows(const at::Tensor& logits, const at::Tensor& temperat
       double before = 0.0;
       while (b + 1 < blocks.size() && (blocks[b] == 0.0 || before + blocks[b] <= target)) before += blocks[b++];
       while (blocks[b] == 0.0 && b > 0) before -= blocks[--b];  // rounding ran past the last mass
-      const int64_t v0 = b * kBlock, v1 = std::min(V, v0 + kBlock);
+      const int64_t v0 = b * kBlock, n = std::min(V, v0 + kBlock) - v0;
       double inner = 0.0;
-      for (int64_t v = v0; v < v1; ++v) inner += weight(l[v], t, m);
+      for (int64_t i = 0; i < n; ++i) inner += (weights[i] = token_weight(l[v0 + i] / t - m));
       const double offset = std::clamp((target - before) / blocks[b], 0.0, 1.0) * inner;
       int64_t pick = -1;
       double cum = 0.0;
-      for (int64_t v = v0; v < v1; ++v) {
-        const double w = weight(l[v], t, m);
-        if (w <= 0.0) continue;
-        pick = v;  // the last token with mass so far: where an offset at the very end lands
-        cum += w;
+      for (int64_t i = 0; i < n; ++i) {
+        if (weights[i] <= 0.f) continue;
+        pick = v0 + i;  // the last token with mass so far: where an offset at the very end lands
+        cum += weights[i];
         if (cum > offset) break;
       }
       ip[r] = pick;
