@@ -1,8 +1,10 @@
 """Which backend runs the model's kernels: `--backend auto|reference|fused`.
 
-`reference` is eager torch everywhere (the oracle of the parity tests). `fused` is the CPU
-fast path: C++ kernels for norms, the gated activation and paged decode attention
-(layers/kernels, layers/attention/fused_cpu.py). `auto` takes `fused` when it can run on the
+`reference` is eager torch everywhere (the oracle of the parity tests). `fused` is the fast
+path: on the CPU, C++ kernels for norms, the gated activation and paged decode attention
+(layers/kernels, layers/attention/fused_cpu.py) and the decode step as one C++ program; on CUDA,
+fused SDPA decode attention (layers/attention/sdpa_paged.py) and the decode step recorded as a
+graph per batch bucket (worker/decode_graphs.py). `auto` takes `fused` when it can run on the
 device and says why when it cannot. The choice is applied after loading, on every rank, by
 walking the model's modules: those with a backend-dependent part implement `use_kernels`.
 """
@@ -30,6 +32,8 @@ class BackendChoice:
 
 def fused_unavailable(device: torch.device) -> str | None:
     """Why the fused backend cannot run on `device`, or None."""
+    if device.type == "cuda":
+        return None
     if device.type != "cpu":
         return f"no fused backend for {device.type} yet"
     return load_cpu_ops()

@@ -97,6 +97,10 @@ class RoutedExperts(nn.Module):
     every expert with its intermediate dimension cut (gate/up rows, down columns), as a
     column → row parallel MLP. Either way the output is a partial sum the stage adds up."""
 
+    # Tokens are grouped per expert with counts read on the host: no step graph can record it
+    # (worker/decode_graphs.py).
+    graph_safe = False
+
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         state = parallel_state()

@@ -28,10 +28,16 @@ def num_blocks_for_budget(model: ModelConfig, cache: CacheConfig, dtype: torch.d
 
 
 def allocate_kv_cache(
-    model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device
+    model: ModelConfig,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    reserved_blocks: int = 0,
 ) -> tuple[list[tuple[torch.Tensor, ...]], int]:
     """Allocate (and touch, so a too-large pool fails now, not mid-request) the whole pool.
 
+    Returns the caches and the number of blocks the scheduler may hand out; `reserved_blocks`
+    more follow them, never handed out (the step graphs' padding rows write there).
     Under tensor parallel each rank caches its own KV heads only (the budget is per rank)."""
     state = parallel_state()
     tp = state.tp_size
@@ -44,6 +50,7 @@ def allocate_kv_cache(
         per_stage = -(-full.num_layers // state.pp_size)
         model = dataclasses.replace(model, num_layers=per_stage)
     n = num_blocks_for_budget(model, cache, dtype)
+    rows = n + reserved_blocks
     none = torch.empty(0, dtype=dtype, device=device)  # another stage's layer
     if mla is not None:
         # MLA layout: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one per layer;
@@ -51,10 +58,10 @@ def allocate_kv_cache(
         width = mla.latent_width
 
         def layer_cache() -> tuple[torch.Tensor, ...]:
-            return (torch.zeros((n, cache.block_size, width), dtype=dtype, device=device),)
+            return (torch.zeros((rows, cache.block_size, width), dtype=dtype, device=device),)
 
     else:
-        shape = (n, model.num_kv_heads, cache.block_size, model.head_dim)
+        shape = (rows, model.num_kv_heads, cache.block_size, model.head_dim)
 
         def layer_cache() -> tuple[torch.Tensor, ...]:
             return (

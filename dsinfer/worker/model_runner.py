@@ -11,12 +11,15 @@ import logging
 import torch
 
 from dsinfer.config import CacheConfig, EngineConfig
+from dsinfer.device.graphs import graphs_unavailable
 from dsinfer.distributed.comm import share_with_stage
+from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.backend import apply_backend
 from dsinfer.models.loader import LoadedModel, release_freed_memory
 from dsinfer.structured import GrammarCompiler
+from dsinfer.worker.decode_graphs import DecodeGraphs, graph_unsafe
 from dsinfer.worker.grammar_mask import BitmaskFiller, GrammarState, apply_bitmask, keep_mask
-from dsinfer.worker.input_batch import build_model_input
+from dsinfer.worker.input_batch import ModelInput, build_model_input
 from dsinfer.worker.kv_cache import allocate_kv_cache
 from dsinfer.worker.sampler import Sampler, SamplerState, prompt_logprob_entries
 from dsinfer.worker.spec_decode import MTPDrafter, draft_rows, sample_rows, verify_greedy
@@ -36,7 +39,13 @@ class ModelRunner:
         driver: bool = True,
         backend: str = "reference",
         step_program: bool = False,
+        max_num_seqs: int = 64,
+        decode_graphs: bool | None = None,
     ) -> None:
+        """step_program: capture the decode step (fused backend): one C++ program on the CPU,
+        graphs per batch bucket on an accelerator. decode_graphs: None decides by the device
+        (graphs where it records them); True records with any backend, on the CPU with eager
+        graphs (how their padding is tested here); False never."""
         # The driver (rank 0) samples and keeps results; the other ranks run the same calls in
         # the same order (their parts of the collectives) and keep nothing.
         self.driver = driver
@@ -50,10 +59,15 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.device = device
         self.block_size = cache.block_size
+        graphs = self._graphs_wanted(step_program, decode_graphs)
         self.kv_caches, self.num_blocks = allocate_kv_cache(
-            loaded.config, cache, loaded.dtype, device
+            loaded.config, cache, loaded.dtype, device, reserved_blocks=1 if graphs else 0
         )
-        self._capture_step_program(step_program)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self._capture_graphs(max_num_seqs, eager=bool(decode_graphs) and device.type == "cpu")
+        else:
+            self._capture_step_program(step_program and device.type == "cpu")
         self.sampler = Sampler()
         # Self-speculative decoding with the model's MTP layer, when it has one and it is on.
         self.drafter = (
@@ -85,12 +99,46 @@ class ModelRunner:
             driver=driver,
             backend=config.backend,
             step_program=config.step_program,
+            max_num_seqs=config.scheduler.max_num_seqs,
         )
 
     @property
     def step_program(self) -> bool:
-        """Whether decode-only steps run as the model's captured program."""
-        return getattr(self.model, "step_program", None) is not None
+        """Whether decode-only steps run captured: the model's C++ program or step graphs."""
+        return getattr(self.model, "step_program", None) is not None or self.graphs is not None
+
+    def _graphs_wanted(self, step_program: bool, decode_graphs: bool | None) -> bool:
+        """Whether decode steps are recorded as graphs; logs why not where they were wanted."""
+        if decode_graphs is False or (decode_graphs is None and not step_program):
+            return False
+        if decode_graphs is None:
+            if self.backend != "fused" or graphs_unavailable(self.device) is not None:
+                return False  # the CPU's fused step is the C++ program
+        state = parallel_state()
+        why = (
+            "tensor or pipeline parallel ranks"
+            if state.tp_size > 1 or state.pp_size > 1
+            else graph_unsafe(self.model)
+        )
+        if why:
+            logger.info("decode steps run uncaptured: %s", why)
+            return False
+        return True
+
+    def _capture_graphs(self, max_num_seqs: int, eager: bool) -> None:
+        """Decode steps as graphs per (batch, context) bucket, recorded on first use; their
+        padding rows write into the block reserved after the scheduler's."""
+        max_len = self.config.max_position_embeddings
+        self.graphs = DecodeGraphs(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+            pad_block=self.num_blocks,
+            block_size=self.block_size,
+            max_batch=max_num_seqs,
+            max_blocks=min(self.num_blocks, -(-max_len // self.block_size)),
+            device=self.device,
+            eager=eager,
+        )
+        logger.info("decode steps replay graphs per batch bucket (worker/decode_graphs.py)")
 
     def _capture_step_program(self, wanted: bool) -> None:
         """Capture the decode step as one program (fused backend, a model that can) once the
@@ -159,7 +207,7 @@ class ModelRunner:
         sample_idx, rows = self._sample_rows(inp)
         states = [self.states[inp.seqs[i].req_id] for i in sample_idx] if self.driver else []
         masks = self._bitmasks.start([st.grammar for st in states])  # fills during the forward
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, hidden]
+        hidden = self._forward(inp)  # [T, hidden]
         if getattr(self.model, "lm_head", None) is None:
             return result  # a later pipeline stage: its part ended with the send
         # From here every rank of the stage runs the same calls in the same order (a split
@@ -190,6 +238,13 @@ class ModelRunner:
             self.drafter.propose(inp, hidden, result, self._wants_draft(inp))
         self._prompt_logprobs(inp, hidden, result)
         return result if self.driver else ModelRunnerOutput()
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:
+        """The model's pass: a recorded graph for a decode-only step that fits one."""
+        g = self.graphs
+        if g is not None and g.takes(inp.input_ids.shape[0], inp.meta):
+            return g.run(inp.input_ids, inp.positions, inp.meta)
+        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
 
     def _logits(self, hidden_rows: torch.Tensor) -> torch.Tensor | None:
         """Logits of some rows on the driver; on another rank, its part of the collective when

@@ -3,7 +3,8 @@
 Sequences of different lengths live in scattered blocks of a paged pool; each backend gets the
 neutral per-step batch (AttentionMetadata) a runner would build and must give what plain
 softmax attention over each whole sequence gives. The fused CPU backend is compared with the
-reference in tests/layers/test_fused_kernels.py; here the reference itself is checked."""
+reference in tests/layers/test_fused_kernels.py; here the reference itself is checked, and the
+accelerators' SDPA decode (layers/attention/sdpa_paged.py, run here on the CPU)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from dsinfer.layers.attention import AttentionMetadata, PrefillSeq
 from dsinfer.layers.attention.mla import MLAPagedAttention
 from dsinfer.layers.attention.registry import attention_class, make_attention
+from dsinfer.layers.attention.sdpa_paged import SdpaPagedAttention
 from dsinfer.layers.attention.torch_paged import TorchPagedAttention
 from tests.helpers import decode_metadata
 
@@ -55,25 +57,36 @@ def _write_history(cache: torch.Tensor, table: list[int], rows: torch.Tensor) ->
         cache[table[i // BS], :, i % BS] = rows[i]
 
 
+# (dtype, tolerance): bf16 caches hold the rounded keys and values the dense oracle reads too;
+# the tolerance covers bf16 products and the bf16 result.
+MHA_DTYPES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", list(MHA_DTYPES), ids=str)
+@pytest.mark.parametrize("cls", [TorchPagedAttention, SdpaPagedAttention])
 @pytest.mark.parametrize(("heads", "kv"), [(4, 4), (6, 2)])
-def test_reference_mha_decode_equals_dense_attention(heads: int, kv: int) -> None:
+def test_mha_decode_equals_dense_attention(
+    heads: int, kv: int, cls: type, dtype: torch.dtype
+) -> None:
     g = torch.Generator().manual_seed(0)
     d, lengths = 8, [1, 6, 13, 4]
     tables = _tables(lengths, 16, g)
-    k_cache, v_cache = torch.zeros(2, 16, kv, BS, d)
-    ks = [torch.randn(n, kv, d, generator=g) for n in lengths]
-    vs = [torch.randn(n, kv, d, generator=g) for n in lengths]
+    k_cache, v_cache = torch.zeros(2, 16, kv, BS, d, dtype=dtype)
+    ks = [torch.randn(n, kv, d, generator=g).to(dtype).float() for n in lengths]
+    vs = [torch.randn(n, kv, d, generator=g).to(dtype).float() for n in lengths]
     for t, k, v in zip(tables, ks, vs, strict=True):  # everything before this step's token
         _write_history(k_cache, t, k[:-1])
         _write_history(v_cache, t, v[:-1])
-    q = torch.randn(len(lengths), heads, d, generator=g)
-    k_new = torch.stack([k[-1] for k in ks])
-    v_new = torch.stack([v[-1] for v in vs])
-    attn = TorchPagedAttention(num_heads=heads, num_kv_heads=kv, head_dim=d, scale=d**-0.5)
+    q = torch.randn(len(lengths), heads, d, generator=g).to(dtype)
+    k_new = torch.stack([k[-1] for k in ks]).to(dtype)
+    v_new = torch.stack([v[-1] for v in vs]).to(dtype)
+    attn = cls(num_heads=heads, num_kv_heads=kv, head_dim=d, scale=d**-0.5)
     got = attn.forward(q, k_new, v_new, (k_cache, v_cache), _decode_meta(lengths, tables))
+    assert got.dtype == dtype
+    tol = MHA_DTYPES[dtype]
     for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
-        want = _dense(q[i : i + 1], k, v, d**-0.5)
-        torch.testing.assert_close(got[i : i + 1], want, atol=1e-5, rtol=1e-5)
+        want = _dense(q[i : i + 1].float(), k, v, d**-0.5)
+        torch.testing.assert_close(got[i : i + 1].float(), want, atol=tol, rtol=tol)
     # This step's keys and values were written into their slots.
     for i, t in enumerate(tables):
         p = lengths[i] - 1
@@ -176,6 +189,8 @@ def test_registry_gives_the_fused_cpu_mha_and_the_reference_elsewhere() -> None:
     assert attention_class("fused", "npu", "mha") is TorchPagedAttention  # none registered
     assert attention_class("fused", "cpu", "mla") is FusedCpuMLAAttention
     assert attention_class("fused", "cuda", "mla") is MLAPagedAttention
+    assert attention_class("fused", "cuda", "mha") is SdpaPagedAttention
+    assert attention_class("reference", "cuda", "mha") is TorchPagedAttention
     shape = dict(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.1)
     ref = make_attention("mha", **shape)
     assert isinstance(ref, TorchPagedAttention)

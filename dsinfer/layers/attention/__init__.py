@@ -1,6 +1,7 @@
 """Attention over the paged KV cache: metadata shared by all layers, and backends.
 
-Importing this package registers every backend (reference MHA and MLA, fused CPU MHA and MLA)."""
+Importing this package registers every backend (reference MHA and MLA, fused CPU MHA and MLA,
+fused CUDA MHA)."""
 
 from dsinfer.layers.attention.backend import (
     AttentionBackend,
@@ -11,6 +12,7 @@ from dsinfer.layers.attention.backend import (
 from dsinfer.layers.attention.fused_cpu import FusedCpuMLAAttention, FusedCpuPagedAttention
 from dsinfer.layers.attention.mla import MLAPagedAttention
 from dsinfer.layers.attention.registry import attention_class, make_attention
+from dsinfer.layers.attention.sdpa_paged import SdpaPagedAttention
 from dsinfer.layers.attention.torch_paged import TorchPagedAttention
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "MHABackend",
     "MLAPagedAttention",
     "PrefillSeq",
+    "SdpaPagedAttention",
     "TorchPagedAttention",
     "attention_class",
     "make_attention",

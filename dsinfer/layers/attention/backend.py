@@ -66,6 +66,9 @@ class AttentionBackend(abc.ABC):
     for a kind and the selected backend (`rebuilt`) replaces the reference after loading."""
 
     kind: ClassVar[str]
+    # Whether its decode rows can be recorded into a step graph (worker/decode_graphs.py):
+    # fixed shapes for fixed metadata shapes, no host syncs, no Python branching on data.
+    graph_safe_decode: ClassVar[bool] = False
 
     def __init__(self, **shape: Any) -> None:
         self.shape = shape

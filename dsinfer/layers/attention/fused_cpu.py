@@ -32,6 +32,7 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 @register_attention("fused", "cpu", "mha")
 class FusedCpuPagedAttention(TorchPagedAttention):
     step_program_kernel = True
+    graph_safe_decode = False  # its kernels are CPU ops: the CPU's step is the C++ program
 
     def forward_qkv(
         self,
@@ -132,6 +133,8 @@ class FusedCpuPagedAttention(TorchPagedAttention):
 
 @register_attention("fused", "cpu", "mla")
 class FusedCpuMLAAttention(MLAPagedAttention):
+    graph_safe_decode = False  # a CPU op (see FusedCpuPagedAttention)
+
     def _absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, meta) -> torch.Tensor:  # noqa: ANN001
         if meta.decode_seq_lens is None or cache.dtype not in _KERNEL_DTYPES:
             return super()._absorbed(q_nope, q_pe, cache, w_uk, w_uv, meta)

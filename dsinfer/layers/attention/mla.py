@@ -30,6 +30,11 @@ class MLAPagedAttention(AttentionBackend):
         self.scale = scale
         self.absorb_decode = True
 
+    @property
+    def graph_safe_decode(self) -> bool:  # type: ignore[override]
+        # The absorbed decode has fixed shapes; the naive one splits rows by length on the host.
+        return self.absorb_decode
+
     def forward(
         self,
         q_nope: torch.Tensor,

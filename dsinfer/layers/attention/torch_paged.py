@@ -18,6 +18,9 @@ from dsinfer.layers.rotary import StepRope, apply_rotary
 
 @register_attention("reference", "any", "mha")
 class TorchPagedAttention(MHABackend):
+    # Decodes are a gather of the padded block tables, two matmuls and a masked softmax.
+    graph_safe_decode = True
+
     def forward_qkv(
         self,
         qkv: torch.Tensor,

@@ -1,0 +1,195 @@
+"""Decode steps replayed as graphs per (batch, context) bucket (worker/decode_graphs.py).
+
+On the CPU the graphs are eager (device/graphs.EagerGraph), so what is tested here is all that
+surrounds a CUDA graph: buckets, static buffers, padding rows and columns, the block reserved
+for padding, and the runner choosing the graph for decode-only steps. A padded step must give
+the real rows what the unpadded eager step gives and must not touch any block but the real
+rows' slots and the reserved one. The same checks with recorded CUDA graphs are in
+tests/worker/test_decode_graphs_gpu.py (marked gpu)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsinfer import LLM
+from dsinfer.config import CacheConfig
+from dsinfer.device.graphs import EagerGraph, graphs_unavailable, new_step_graph
+from dsinfer.layers.backend import apply_backend
+from dsinfer.models.loader import LoadedModel
+from dsinfer.sampling import SamplingParams
+from dsinfer.worker.decode_graphs import DecodeGraphs, bucket_for, buckets_up_to, graph_unsafe
+from dsinfer.worker.input_batch import build_model_input
+from dsinfer.worker.model_runner import ModelRunner
+from dsinfer.worker.step_io import NewRequestData, ScheduledSeq, SchedulerOutput
+from tests.helpers import tiny_llama_dir
+
+BS = 4  # block size: sequences of 5-17 tokens span 2-5 blocks, so context buckets change
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+
+def test_buckets_cover_every_size_once() -> None:
+    assert buckets_up_to(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert buckets_up_to(5) == (1, 2, 4, 5)
+    assert buckets_up_to(1) == (1,)
+    buckets = buckets_up_to(48)
+    assert [bucket_for(n, buckets) for n in (1, 3, 4, 5, 33, 48)] == [1, 4, 4, 8, 48, 48]
+
+
+def test_the_cpu_records_no_graphs() -> None:
+    cpu = torch.device("cpu")
+    assert graphs_unavailable(cpu) == "cpu has no graph capture"
+    assert isinstance(new_step_graph(cpu), EagerGraph)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):  # noqa: ANN201
+    """A tiny Llama on the reference backend (fp32): the runner the graph tests drive."""
+    path = tiny_llama_dir(tmp_path_factory.mktemp("tiny"), max_positions=64)
+    return LLM(str(path), backend="reference", dtype="float32", num_blocks=64, block_size=BS)
+
+
+def _runner(llm, graphs: bool, backend: str = "reference") -> ModelRunner:  # noqa: ANN001
+    """A second runner over the same model (and a pool of its own), with or without graphs."""
+    base = llm.engine.executor.runner
+    loaded = LoadedModel(base.model, base.config, Path(llm.engine.config.model), base.dtype)
+    cache = CacheConfig(block_size=BS, num_blocks=32)
+    return ModelRunner(
+        loaded, cache, base.device, backend=backend, max_num_seqs=8, decode_graphs=graphs
+    )
+
+
+@torch.inference_mode()
+def _greedy_steps(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Prefill every prompt in one step, then decode `steps` tokens each, one row a sequence;
+    the second sequence stops after half of them (the batch shrinks to another bucket)."""
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]  # 32 tokens each
+    new = [NewRequestData(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    seqs = [
+        ScheduledSeq(f"r{i}", p, 0, t, True)
+        for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
+    ]
+    out = runner.execute(SchedulerOutput(seqs, new))
+    tokens = [[out.sampled[f"r{i}"]] for i in range(len(prompts))]
+    for step in range(steps):
+        live = [i for i in range(len(prompts)) if i != 1 or step < steps // 2]
+        seqs = [
+            ScheduledSeq(f"r{i}", [tokens[i][-1]], len(prompts[i]) + step, tables[i], True)
+            for i in live
+        ]
+        out = runner.execute(SchedulerOutput(seqs))
+        for i in live:
+            tokens[i].append(out.sampled[f"r{i}"])
+    return tokens
+
+
+def test_runner_replays_graphs_for_decode_steps_and_samples_what_eager_samples(tiny) -> None:  # noqa: ANN001
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 9, 14)]
+    eager = _runner(tiny, graphs=False)
+    graphed = _runner(tiny, graphs=True)
+    assert eager.graphs is None and graphed.graphs is not None and graphed.step_program
+    # One block more than the scheduler may hand out: the padding rows' own.
+    assert graphed.num_blocks == eager.num_blocks == 32
+    assert graphed.kv_caches[0][0].shape[0] == 33 and graphed.graphs.pad_block == 32
+    want = _greedy_steps(eager, prompts, 12)
+    got = _greedy_steps(graphed, prompts, 12)
+    assert got == want
+    # Every decode step replayed a graph (the prefill step did not); 3 rows → the batch bucket
+    # of 4, then 2 rows → 2; contexts of 6-26 tokens → 2, 4 and 8 blocks of 4.
+    assert graphed.graphs.replays == 12
+    assert {b for b, _ in graphed.graphs.graphs} == {2, 4}
+    assert {nb for _, nb in graphed.graphs.graphs} <= {2, 4, 8}
+    # The padding rows wrote into the reserved block only: the blocks nobody was given are
+    # still zero, in every layer.
+    for k_cache, v_cache in graphed.kv_caches:
+        for cache in (k_cache, v_cache):
+            assert cache[24:32].abs().sum() == 0
+            assert cache[32].abs().sum() > 0
+
+
+@torch.inference_mode()
+def test_padded_step_equals_the_unpadded_step_and_leaves_other_blocks_alone(tiny) -> None:  # noqa: ANN001
+    """Hidden states of a 3-row step at the (4 rows, 8 blocks) bucket against the eager step,
+    and the whole KV pool after each: equal except in the reserved block."""
+    runner = tiny.engine.executor.runner
+    model, caches = runner.model, runner.kv_caches
+    pad = 63  # a block no sequence below uses
+    graphs = DecodeGraphs(
+        lambda ids, pos, meta: model(ids, pos, caches, meta), pad, BS, 4, 16, runner.device
+    )
+    g = torch.Generator().manual_seed(1)
+    for c in caches:
+        for t in c:
+            t.copy_(torch.randn(t.shape, generator=g))  # stale data everywhere, as in a used pool
+    before = [tuple(t.clone() for t in c) for c in caches]
+    lengths = [6, 13, 22]  # 2, 4 and 6 blocks: the table is 6 wide → context bucket 8
+    tables = [list(range(10 * i, 10 * i + 6)) for i in range(3)]
+    seqs = [
+        ScheduledSeq(f"s{i}", [int(torch.randint(3, 300, (1,), generator=g))], n - 1, t, False)
+        for i, (n, t) in enumerate(zip(lengths, tables, strict=True))
+    ]
+    inp = build_model_input(seqs, BS, runner.device)
+    assert graphs.takes(3, inp.meta)
+    got = graphs.run(inp.input_ids, inp.positions, inp.meta).clone()
+    assert list(graphs.graphs) == [(4, 8)]
+    after_graph = [tuple(t.clone() for t in c) for c in caches]
+    for c, b in zip(caches, before, strict=True):
+        for t, tb in zip(c, b, strict=True):
+            t.copy_(tb)
+    want = model(inp.input_ids, inp.positions, caches, inp.meta)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Outside the real rows' slots and the reserved block the pool is as it was, bit for bit;
+    # those slots hold what the eager step wrote (to fp32 rounding: the padded batch's matmuls
+    # may round differently).
+    written = torch.zeros(caches[0][0].shape[0], BS, dtype=torch.bool)
+    written[inp.meta.slot_blocks, inp.meta.slot_offsets] = True
+    untouched = ~written
+    untouched[pad] = False
+    for c, ag, b in zip(caches, after_graph, before, strict=True):
+        for t, tg, tb in zip(c, ag, b, strict=True):
+            by_slot = (0, 2)  # [blocks, KV, BS, D] → the (block, offset) axes first
+            tg_s, t_s, tb_s = (x.movedim(by_slot, (0, 1)) for x in (tg, t, tb))
+            assert torch.equal(tg_s[untouched], tb_s[untouched])
+            torch.testing.assert_close(tg_s[written], t_s[written], atol=1e-5, rtol=1e-5)
+            assert not torch.equal(tg[pad], tb[pad])  # the padding rows wrote their own block
+    # A step with prefill rows, or wider than the largest buckets, stays eager.
+    wide = build_model_input(
+        [ScheduledSeq(f"w{i}", [5], 0, [i], False) for i in range(5)], BS, runner.device
+    )
+    assert not graphs.takes(5, wide.meta)
+    prefill = build_model_input([ScheduledSeq("p", [5, 6], 0, [0], False)], BS, runner.device)
+    assert not graphs.takes(2, prefill.meta)
+
+
+def test_models_whose_decode_reads_the_host_are_not_recorded(tiny, caplog) -> None:  # noqa: ANN001
+    """The fused CPU attention (C++ ops), the routed experts (counts on the host) and the
+    naive MLA decode are refused by name; the reference MHA is recorded."""
+    from dsinfer.layers.attention.mla import MLAPagedAttention
+    from dsinfer.layers.moe import RoutedExperts
+
+    model = tiny.engine.executor.runner.model
+    assert graph_unsafe(model) is None
+    attn = model.model.layers[0].self_attn
+    saved = attn.attn
+    try:
+        attn.attn = saved.rebuilt("fused", "cpu")
+        assert graph_unsafe(model) == "FusedCpuPagedAttention cannot run inside a captured graph"
+    finally:
+        attn.attn = saved
+    mla = MLAPagedAttention(2, 4, 4, 4, 8, 0.1)
+    assert mla.graph_safe_decode
+    mla.absorb_decode = False
+    assert not mla.graph_safe_decode
+    assert RoutedExperts.graph_safe is False
+    # Asked for graphs, a runner over a model they cannot record says why and stays eager.
+    try:
+        with caplog.at_level(logging.INFO):
+            runner = _runner(tiny, graphs=True, backend="fused")
+        assert runner.graphs is None
+        assert "decode steps run uncaptured: FusedCpuPagedAttention" in caplog.text
+    finally:
+        apply_backend(model, "reference", torch.device("cpu"))
