@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-slow lint bench clean
+.PHONY: install serve test test-slow test-gpu lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,11 @@ test: $(STAMP)
 # `slow`): not part of `make test`; see the README for when to run them.
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The CUDA tests (marked `gpu`): skipped without a CUDA device. On a lent GPU machine, whose
+# image has its own torch, benchmarks/cuda_check.sh runs them with the 7B-shaped benchmark.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check dsinfer tests benchmarks

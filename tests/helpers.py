@@ -31,7 +31,8 @@ def full_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 
 def decode_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits [T, V] at every position of `ids`, fed one token per step: every row runs the
-    decode path (single-token rows), as generation does."""
+    decode path (single-token rows) the way generation runs it (a step graph where the runner
+    has them)."""
     bs = engine.block_size
     blocks = engine.pool.allocate(-(-len(ids) // bs))
     runner = engine.executor.runner
@@ -40,8 +41,7 @@ def decode_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
         for pos, tok in enumerate(ids):
             seq = ScheduledSeq("probe", [tok], pos, blocks, do_sample=False)
             inp = build_model_input([seq], bs, runner.device)
-            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
-            rows.append(runner.model.compute_logits(hidden))
+            rows.append(runner.model.compute_logits(runner._forward(inp)))
         return torch.cat(rows)
     finally:
         engine.pool.free(blocks)

@@ -210,14 +210,21 @@ def fill_random_weights(model: nn.Module, seed: int) -> None:
     """Seeded random weights at the real shapes: N(0, 0.02) matrices, unit norms, zero biases.
 
     For measuring speed and memory of configurations whose weights we do not have."""
-    gen = torch.Generator().manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
+
+    def gen_for(p: torch.Tensor) -> torch.Generator:
+        # A generator on the parameter's own device (a CPU one cannot fill a GPU tensor).
+        if p.device not in gens:
+            gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        return gens[p.device]
+
     # Quantised layouts: uniform codes with scales that give the same spread (std 0.02).
     int8_scale, int4_scale = 0.02 * 3**0.5 / 127, 0.02 * 3**0.5 / 7.5
     for name, p in model.named_parameters():
         if p.dtype == torch.int8:
-            p.random_(-127, 128, generator=gen)
+            p.random_(-127, 128, generator=gen_for(p))
         elif p.dtype == torch.uint8:
-            p.random_(0, 256, generator=gen)
+            p.random_(0, 256, generator=gen_for(p))
         elif name.endswith("scales_zeros"):
             p[..., 0].fill_(int4_scale)
             p[..., 1].zero_()
@@ -228,7 +235,7 @@ def fill_random_weights(model: nn.Module, seed: int) -> None:
         elif name.endswith(".bias"):
             p.zero_()
         else:
-            p.normal_(0.0, 0.02, generator=gen)  # in place: no full-size temporary
+            p.normal_(0.0, 0.02, generator=gen_for(p))  # in place: no full-size temporary
 
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
