@@ -11,6 +11,11 @@ same seed) runs at each concurrency. Prints both sides, the ratios, and each ser
 Without --llama-server it uses ../shared/tools/build_llama_server.sh's build (building it the
 first time, ~10 minutes). Each --dsinfer-config is one `dsinfer serve` argument string; the
 default is the default server (no arguments).
+
+--rounds N runs the whole sequence N times (llama-server first in odd rounds, last in even
+ones) and takes every ratio within its round: the machines here drift by 25% over minutes, and a slow
+spell that falls on one side of a single round moves its ratio by as much. The summary gives
+each round's ratios and their median.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -94,9 +100,9 @@ def gguf_weight_bytes(path: str) -> int:
     return sum(t.data.nbytes for t in GGUFFile(path).tensors)
 
 
-def run_server(name: str, cmd: list[str], url: str, levels: list[int], args) -> dict:  # noqa: ANN001
+def run_server(name: str, cmd: list[str], url: str, levels: list[int], args, log_name: str) -> dict:  # noqa: ANN001
     print(f"== {name}: {' '.join(cmd)}", flush=True)
-    log = open(Path(args.out) / f"{name}.log", "w")  # noqa: SIM115 - closed below
+    log = open(Path(args.out) / f"{log_name}.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         start_s = wait_healthy(url, proc)
@@ -124,50 +130,21 @@ def llama_server_path(given: str | None) -> str:
     return str(Path(out.stdout.strip().splitlines()[-1]) / "llama-server")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--llama-server", default=None)
-    p.add_argument("--dsinfer-config", action="append", default=None)
-    p.add_argument("--concurrency", default="1,16")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    # Sampled requests (e.g. --temperature 0.7 --top-p 0.95, a chat client's usual settings):
-    # both servers draw every token instead of taking the argmax.
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--port", type=int, default=8131)
-    p.add_argument("--out", default="benchmarks/results/serve_compare")
-    args = p.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    gguf = str(resolve_model_path("smollm2"))
-    url = f"http://127.0.0.1:{args.port}"
-    llama = [
-        llama_server_path(args.llama_server),
-        "-m",
-        gguf,
-        "-t",
-        "2",
-        "--parallel",
-        "16",
-        "-c",
-        "16384",
-        "--host",
-        "127.0.0.1",
+def config_name(extra: str) -> str:
+    return f"dsinfer {extra}".strip() if extra else "dsinfer (default)"
+
+
+def dsinfer_cmd(extra: str, port: int) -> list[str]:
+    return [
+        str(ROOT / ".venv" / "bin" / "dsinfer"),
+        "serve",
         "--port",
-        str(args.port),
+        str(port),
+        *shlex.split(extra),
     ]
-    runs = {"llama-server": run_server("llama-server", llama, url, levels, args)}
-    for i, extra in enumerate(args.dsinfer_config or [""]):
-        name = f"dsinfer {extra}".strip() if extra else "dsinfer (default)"
-        cmd = [
-            str(ROOT / ".venv" / "bin" / "dsinfer"),
-            "serve",
-            "--port",
-            str(args.port),
-            *shlex.split(extra),
-        ]
-        runs[name] = run_server(f"dsinfer-{i}", cmd, url, levels, args)
+
+
+def print_round(runs: dict[str, dict], levels: list[int]) -> None:
     base = runs["llama-server"]
     print(
         "\n| server | start s | peak RSS MiB | "
@@ -185,6 +162,10 @@ def main() -> int:
                 f"{1e3 * lv['itl_s']['p50']:.1f}",
             ]
         print("| " + " | ".join(cells) + " |")
+
+
+def print_bandwidth(runs: dict[str, dict], levels: list[int], gguf: str) -> None:
+    base = runs["llama-server"]
     weights = gguf_weight_bytes(gguf)
     print(f"\nBandwidth (weights read per forward: llama-server {weights / 2**20:.0f} MiB):")
     for c in levels:
@@ -205,9 +186,112 @@ def main() -> int:
                     end="",
                 )
         print()
-    (Path(args.out) / "serve_compare.json").write_text(
-        json.dumps({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": runs}, indent=2)
+
+
+def print_summary(rounds: list[dict[str, dict]], levels: list[int]) -> None:
+    """Each dsinfer config's ratios to llama-server round by round, and their medians."""
+    print(
+        "\n| config | "
+        + " | ".join(f"c={c} tok/s ×, per round (median)" for c in levels)
+        + f" | c={levels[-1]} TTFT p99 ratio, per round (median) | peak RSS MiB vs llama |"
     )
+    print("|---" * (len(levels) + 3) + "|")
+    for name in rounds[0]:
+        if name == "llama-server":
+            continue
+        cells = [name]
+        for c in levels:
+            ratios = [
+                r[name]["levels"][c]["output_tokens_per_s"]
+                / r["llama-server"]["levels"][c]["output_tokens_per_s"]
+                for r in rounds
+            ]
+            cells.append(_per_round(ratios, "×"))
+        top = levels[-1]
+        ttft = [
+            r[name]["levels"][top]["ttft_s"]["p99"]
+            / r["llama-server"]["levels"][top]["ttft_s"]["p99"]
+            for r in rounds
+        ]
+        cells.append(_per_round(ttft, ""))
+        rss = " / ".join(
+            f"{r[name]['peak_rss_mib']:.0f} vs {r['llama-server']['peak_rss_mib']:.0f}"
+            for r in rounds
+        )
+        cells.append(rss)
+        print("| " + " | ".join(cells) + " |")
+
+
+def _per_round(values: list[float], unit: str) -> str:
+    return (
+        ", ".join(f"{v:.2f}{unit}" for v in values)
+        + f" (**{statistics.median(values):.2f}{unit}**)"
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--llama-server", default=None)
+    p.add_argument("--dsinfer-config", action="append", default=None)
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    # Sampled requests (e.g. --temperature 0.7 --top-p 0.95, a chat client's usual settings):
+    # both servers draw every token instead of taking the argmax.
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--port", type=int, default=8131)
+    p.add_argument("--out", default="benchmarks/results/serve_compare")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="repeat the sequence N times, ratios per round"
+    )
+    args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    gguf = str(resolve_model_path("smollm2"))
+    url = f"http://127.0.0.1:{args.port}"
+    llama = [
+        llama_server_path(args.llama_server),
+        "-m",
+        gguf,
+        "-t",
+        "2",
+        "--parallel",
+        "16",
+        "-c",
+        "16384",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+    ]
+    configs = args.dsinfer_config or [""]
+    rounds = []
+    for k in range(args.rounds):
+        if args.rounds > 1:
+            print(f"\n#### round {k + 1} of {args.rounds}", flush=True)
+        tag = f"-r{k + 1}" if args.rounds > 1 else ""
+        # Servers in turn: llama-server first in odd rounds, last in even ones, so that a drift
+        # across a round does not favour the same side every time.
+        jobs: list[tuple[str, list[str], str]] = [("llama-server", llama, f"llama-server{tag}")]
+        jobs += [
+            (config_name(extra), dsinfer_cmd(extra, args.port), f"dsinfer-{i}{tag}")
+            for i, extra in enumerate(configs)
+        ]
+        if k % 2:
+            jobs = jobs[1:] + jobs[:1]
+        measured = {name: run_server(name, cmd, url, levels, args, log) for name, cmd, log in jobs}
+        # Printed and stored llama-server first, whatever the order they ran in.
+        runs = {"llama-server": measured.pop("llama-server"), **measured}
+        print_round(runs, levels)
+        print_bandwidth(runs, levels, gguf)
+        rounds.append(runs)
+    if args.rounds > 1:
+        print_summary(rounds, levels)
+    result = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": rounds[0]}
+    if args.rounds > 1:
+        result["rounds"] = rounds
+    (Path(args.out) / "serve_compare.json").write_text(json.dumps(result, indent=2))
     return 0
 
 
