@@ -108,6 +108,11 @@ def _lookup(table: dict[tuple[str, str], type], scheme: str, device_type: str) -
     return cls
 
 
+def has_method(scheme: str, device_type: str) -> bool:
+    """Whether `scheme`'s weights have kernels on `device_type` (float formats always do)."""
+    return scheme not in QUANTISED_SCHEMES or (scheme, device_type) in _LINEAR_METHODS
+
+
 def quant_method(scheme: str, group_size: int, device_type: str = "cpu") -> LinearMethod | None:
     """The registered method of a quantised scheme on a device; None for float formats."""
     if scheme not in QUANTISED_SCHEMES:

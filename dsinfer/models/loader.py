@@ -23,7 +23,7 @@ from torch import nn
 from dsinfer.config import QUANTISED_SCHEMES, ModelConfig, parse_dtype
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import default_weight_loader, fused_target
-from dsinfer.layers.quant import plan_formats, prepare_quantized, quantize_model
+from dsinfer.layers.quant import has_method, plan_formats, prepare_quantized, quantize_model
 from dsinfer.models.gguf_file import (
     config_from_gguf,
     iter_gguf_tensors,
@@ -267,6 +267,16 @@ def resolve_quantization(requested: str, dtype: str | torch.dtype, native: str) 
     return requested
 
 
+def device_quantization(requested: str, scheme: str, device_type: str) -> str:
+    """`auto` on a device without kernels for the file's scheme (a Q4/Q8 GGUF on CUDA) loads
+    the weights as floats instead of refusing the file; an explicit scheme stays (and is
+    refused by name when its method is missing)."""
+    if requested == "auto" and not has_method(scheme, device_type):
+        logger.info("no %s kernels on %s: the weights load as floats", scheme, device_type)
+        return "none"
+    return scheme
+
+
 def load_model(
     model: str,
     dtype: str | torch.dtype = "auto",
@@ -294,7 +304,9 @@ def load_model(
         cfg = configure(cfg, None if random_weights else checkpoint_names(path))
     reader = open_gguf(path) if path.is_file() and not random_weights else None
     native = native_scheme(reader) if reader is not None else "none"
-    scheme = resolve_quantization(quantization, dtype, native)
+    scheme = device_quantization(
+        quantization, resolve_quantization(quantization, dtype, native), torch.device(device).type
+    )
     if scheme != "none" and dtype == "auto":
         dtype = torch.bfloat16  # the packed int8/int4 CPU kernels are vectorised for bf16
     tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)

@@ -100,3 +100,19 @@ def test_prompt_longer_than_context(ckpt):
     with pytest.raises(ValueError, match="70 tokens but this model's context length is 64"):
         llm.generate({"prompt_token_ids": [5] * 70})
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_auto_quantization_falls_back_to_floats_where_the_device_has_no_kernels():
+    """A Q4/Q8 GGUF under `auto` keeps int4/int8 on the CPU and loads as floats on CUDA (no
+    int4/int8 method there); an explicit scheme is kept, so its refusal names the method."""
+    from dsinfer.layers.quant import has_method, quant_method
+    from dsinfer.models.loader import device_quantization
+
+    assert has_method("int4", "cpu") and not has_method("int4", "cuda")
+    assert has_method("none", "cuda")
+    assert device_quantization("auto", "int4", "cpu") == "int4"
+    assert device_quantization("auto", "int4", "cuda") == "none"
+    assert device_quantization("auto", "int8", "npu") == "none"
+    assert device_quantization("int4", "int4", "cuda") == "int4"
+    with pytest.raises(ValueError, match="no int4 weight method for cuda"):
+        quant_method("int4", 32, "cuda")

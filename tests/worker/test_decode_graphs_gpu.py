@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from dsinfer import LLM, SamplingParams
-from tests.helpers import VOCAB, assert_pool_clean, decode_logits, tiny_llama_dir
+from tests.helpers import (
+    VOCAB,
+    agree_or_near_tie,
+    assert_pool_clean,
+    decode_logits,
+    tiny_llama_dir,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,3 +86,19 @@ def test_no_step_program_keeps_cuda_steps_eager(tiny) -> None:  # noqa: ANN001
     assert llm.engine.executor.runner.graphs is None
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY)
     assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_smollm2_gguf_on_cuda_loads_floats_and_decodes_like_the_cpu_reference() -> None:
+    """The embedded Q4_1 GGUF under `auto` loads as floats on CUDA (no int4 kernels there);
+    fp32 on the GPU with graphs gives the CPU reference's logits along a decode."""
+    gpu = LLM("smollm2", device="cuda", dtype="float32", kv_cache_memory="256MiB")
+    runner = gpu.engine.executor.runner
+    assert runner.graphs is not None
+    assert all(p.is_floating_point() for p in runner.model.parameters())
+    cpu = LLM("smollm2", dtype="float32", backend="reference", kv_cache_memory="64MiB")
+    ids = gpu.engine.tokenizer.encode("The capital of France is")
+    err = (decode_logits(gpu.engine, ids).cpu() - decode_logits(cpu.engine, ids)).abs().max()
+    assert err.item() <= 1e-2, err.item()
+    ours = gpu.generate(["The capital of France is"], GREEDY)[0].outputs[0].token_ids
+    want = cpu.generate(["The capital of France is"], GREEDY)[0].outputs[0].token_ids
+    assert agree_or_near_tie(cpu.engine, ids, ours, want)
