@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dsinfer import LLM, SamplingParams
+from dsinfer.device import synchronize
 
 CONFIG = Path(__file__).parent / "configs" / "deepseek-llm-7b-base"
 
@@ -31,10 +32,10 @@ def hbm_bandwidth(device: torch.device, gib: int = 2) -> float:
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(6):
-        torch.cuda.synchronize(device)
+        synchronize(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     del src, dst
     return 2 * gib * 2**30 / best

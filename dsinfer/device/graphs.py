@@ -95,9 +95,9 @@ def graphs_unavailable(device: torch.device) -> str | None:
     return f"{device.type} has no graph capture"
 
 
-def new_step_graph(device: torch.device, eager: bool = False) -> StepGraph:
-    """A graph for one captured step on `device`; `eager` (or a CPU) gives an EagerGraph."""
-    if eager or device.type == "cpu":
+def new_step_graph(device: torch.device) -> StepGraph:
+    """A graph for one captured step on `device` (an EagerGraph on the CPU)."""
+    if device.type == "cpu":
         return EagerGraph()
     if why := graphs_unavailable(device):
         raise ValueError(f"cannot capture step graphs on {device}: {why}")

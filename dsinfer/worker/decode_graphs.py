@@ -81,7 +81,6 @@ class DecodeGraphs:
         max_batch: int,
         max_blocks: int,
         device: torch.device,
-        eager: bool = False,
     ) -> None:
         """forward(input_ids [T], positions [T], meta) → hidden [T, H]: the model's pass over
         its KV pool. max_batch: the scheduler's most sequences a step; max_blocks: the most
@@ -92,7 +91,6 @@ class DecodeGraphs:
         self.batch_buckets = buckets_up_to(max_batch)
         self.context_buckets = buckets_up_to(max_blocks)
         self.device = device
-        self.eager = eager
         self.graphs: dict[tuple[int, int], _Bucket] = {}
         self.replays = 0
 
@@ -141,7 +139,7 @@ class DecodeGraphs:
             return torch.zeros(batch, dtype=torch.int64, device=self.device)
 
         s = _Bucket(
-            new_step_graph(self.device, self.eager),
+            new_step_graph(self.device),
             zeros(),
             zeros(),
             zeros(),

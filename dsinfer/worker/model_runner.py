@@ -65,7 +65,7 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         if graphs:
-            self._capture_graphs(max_num_seqs, eager=bool(decode_graphs) and device.type == "cpu")
+            self._capture_graphs(max_num_seqs)
         else:
             self._capture_step_program(step_program and device.type == "cpu")
         self.sampler = Sampler()
@@ -125,7 +125,7 @@ class ModelRunner:
             return False
         return True
 
-    def _capture_graphs(self, max_num_seqs: int, eager: bool) -> None:
+    def _capture_graphs(self, max_num_seqs: int) -> None:
         """Decode steps as graphs per (batch, context) bucket, recorded on first use; their
         padding rows write into the block reserved after the scheduler's."""
         max_len = self.config.max_position_embeddings
@@ -136,7 +136,6 @@ class ModelRunner:
             max_batch=max_num_seqs,
             max_blocks=min(self.num_blocks, -(-max_len // self.block_size)),
             device=self.device,
-            eager=eager,
         )
         logger.info("decode steps replay graphs per batch bucket (worker/decode_graphs.py)")
 
