@@ -122,9 +122,10 @@ class TorchPagedAttention(MHABackend):
         ql, ctx = q.shape[0], k.shape[1]
         # Contiguous heads: SDPA runs 20-27% faster on them than on the transposed views (447 vs
         # 370 us for 128 of SmolLM2's queries, 6.7 vs 4.9 ms for 512), with the same result.
-        qh = q.float().transpose(0, 1).contiguous().unsqueeze(0)  # [1, H, Q, D]
-        kh = k.float().contiguous().unsqueeze(0)  # [1, KV, C, D]
-        vh = v.float().contiguous().unsqueeze(0)
+        # Widened and laid out in one copy each (`.float()` then `.contiguous()` made two).
+        qh = _fp32_contiguous(q.transpose(0, 1)).unsqueeze(0)  # [1, H, Q, D]
+        kh = _fp32_contiguous(k).unsqueeze(0)  # [1, KV, C, D]
+        vh = _fp32_contiguous(v).unsqueeze(0)
         if num_before == 0:
             o = F.scaled_dot_product_attention(
                 qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
@@ -136,6 +137,10 @@ class TorchPagedAttention(MHABackend):
                 qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=self.group > 1
             )
         return o.squeeze(0).transpose(0, 1).to(q.dtype)  # [Q, H, D]
+
+
+def _fp32_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
