@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsinfer import LLM
 from dsinfer.config import CacheConfig
@@ -193,3 +195,89 @@ def test_models_whose_decode_reads_the_host_are_not_recorded(tiny, caplog) -> No
         assert "decode steps run uncaptured: FusedCpuPagedAttention" in caplog.text
     finally:
         apply_backend(model, "reference", torch.device("cpu"))
+
+
+class _OpTrace(TorchDispatchMode):
+    """Every aten op a region runs, with the shapes of its tensor arguments, and every
+    `Tensor.tolist()` (a read of the data into Python that bypasses the dispatcher)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        self.ops.append((func._schema.name, shapes))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):  # noqa: ANN204
+        tolist = torch.Tensor.tolist
+
+        def traced(t: torch.Tensor):  # noqa: ANN202
+            self.ops.append(("Tensor.tolist", (tuple(t.shape),)))
+            return tolist(t)
+
+        self._patch = mock.patch.object(torch.Tensor, "tolist", traced)
+        self._patch.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):  # noqa: ANN002, ANN204
+        self._patch.stop()
+        return super().__exit__(*exc)
+
+    @property
+    def names(self) -> set[str]:
+        return {name for name, _ in self.ops}
+
+
+# What a CUDA graph cannot record: a device → host read (.item(), .tolist()), or an output
+# whose size depends on the data (so on a read).
+HOST_READS = {
+    "aten::_local_scalar_dense",
+    "Tensor.tolist",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::unique",
+    "aten::bincount",
+}
+
+
+@torch.inference_mode()
+def test_a_bucket_replays_the_same_ops_on_any_batch_and_reads_nothing_back(tiny) -> None:  # noqa: ANN001
+    """What makes a recorded graph valid, checked on the CPU: two steps of one bucket with
+    different rows, lengths and blocks run the same ops on the same shapes, none of which
+    reads data back to the host. A routed-experts model's forward does read back (which is
+    why graph_unsafe refuses it): the trace sees it."""
+    runner = tiny.engine.executor.runner
+    model, caches = runner.model, runner.kv_caches
+    graphs = DecodeGraphs(
+        lambda ids, pos, meta: model(ids, pos, caches, meta), 63, BS, 4, 16, runner.device
+    )
+    steps = [
+        ([6, 13, 22], [[0, 1], [10, 11, 12, 13], [20, 21, 22, 23, 24, 25]]),
+        ([29, 2, 17], [[30, 31, 32, 33, 34, 35, 36, 37], [40], [41, 42, 43, 44, 45]]),
+    ]
+    traces = []
+    for lengths, tables in steps:
+        seqs = [
+            ScheduledSeq(f"s{i}", [7 + i], n - 1, t, False)
+            for i, (n, t) in enumerate(zip(lengths, tables, strict=True))
+        ]
+        inp = build_model_input(seqs, BS, runner.device)
+        graphs.run(inp.input_ids, inp.positions, inp.meta)  # loads (captures the first time)
+        with _OpTrace() as trace:  # the replay alone, on the buffers as this step loaded them
+            graphs.graphs[(4, 8)].graph.replay()
+        traces.append(trace.ops)
+    assert list(graphs.graphs) == [(4, 8)]
+    # One fixed sequence of ops and shapes, whatever the step.
+    assert traces[0] == traces[1]
+    assert len(traces[0]) > 50
+    assert not {name for name, _ in traces[0]} & HOST_READS, {n for n, _ in traces[0]} & HOST_READS
+    from dsinfer.layers.moe import MoEConfig, RoutedExperts
+
+    experts = RoutedExperts(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2))
+    for p in experts.parameters():
+        p.data.normal_()
+    with _OpTrace() as trace:
+        experts(torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]]))
+    assert {"aten::bincount", "Tensor.tolist"} <= trace.names
