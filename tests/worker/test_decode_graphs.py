@@ -27,7 +27,7 @@ from dsinfer.worker.decode_graphs import DecodeGraphs, bucket_for, buckets_up_to
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.model_runner import ModelRunner
 from dsinfer.worker.step_io import NewRequestData, ScheduledSeq, SchedulerOutput
-from tests.helpers import tiny_llama_dir
+from tests.helpers import DEEPSEEK_CASES, DEEPSEEK_COMMON, save_and_load, tiny_llama_dir
 
 BS = 4  # block size: sequences of 5-17 tokens span 2-5 blocks, so context buckets change
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -242,14 +242,28 @@ HOST_READS = {
 }
 
 
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory):  # noqa: ANN201
+    """A tiny DeepSeek-V2 whose layers are all dense: MLA (absorbed decode) without experts."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    extra = dict(DEEPSEEK_CASES["v2-lite-shape"][1], first_k_dense_replace=3)
+    torch.manual_seed(3)
+    model = DeepseekV2ForCausalLM(DeepseekV2Config(**{**DEEPSEEK_COMMON, **extra}))
+    return save_and_load(model, tmp_path_factory.mktemp("mla"), "reference", block_size=BS)
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_mla"])
 @torch.inference_mode()
-def test_a_bucket_replays_the_same_ops_on_any_batch_and_reads_nothing_back(tiny) -> None:  # noqa: ANN001
-    """What makes a recorded graph valid, checked on the CPU: two steps of one bucket with
-    different rows, lengths and blocks run the same ops on the same shapes, none of which
-    reads data back to the host. A routed-experts model's forward does read back (which is
-    why graph_unsafe refuses it): the trace sees it."""
-    runner = tiny.engine.executor.runner
+def test_a_bucket_replays_the_same_ops_on_any_batch_and_reads_nothing_back(which, request) -> None:  # noqa: ANN001
+    """What makes a recorded graph valid, checked on the CPU (Llama's MHA and DeepSeek's MLA):
+    two steps of one bucket with different rows, lengths and blocks run the same ops on the
+    same shapes, none of which reads data back to the host; the replayed rows equal the eager
+    step's. A routed-experts model's forward does read back (which is why graph_unsafe
+    refuses it): the trace sees it."""
+    runner = request.getfixturevalue(which).engine.executor.runner
     model, caches = runner.model, runner.kv_caches
+    assert graph_unsafe(model) is None
     graphs = DecodeGraphs(
         lambda ids, pos, meta: model(ids, pos, caches, meta), 63, BS, 4, 16, runner.device
     )
@@ -264,20 +278,26 @@ def test_a_bucket_replays_the_same_ops_on_any_batch_and_reads_nothing_back(tiny)
             for i, (n, t) in enumerate(zip(lengths, tables, strict=True))
         ]
         inp = build_model_input(seqs, BS, runner.device)
-        graphs.run(inp.input_ids, inp.positions, inp.meta)  # loads (captures the first time)
+        got = graphs.run(inp.input_ids, inp.positions, inp.meta).clone()  # captures the first
         with _OpTrace() as trace:  # the replay alone, on the buffers as this step loaded them
             graphs.graphs[(4, 8)].graph.replay()
         traces.append(trace.ops)
+        want = model(inp.input_ids, inp.positions, caches, inp.meta)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert list(graphs.graphs) == [(4, 8)]
     # One fixed sequence of ops and shapes, whatever the step.
     assert traces[0] == traces[1]
     assert len(traces[0]) > 50
-    assert not {name for name, _ in traces[0]} & HOST_READS, {n for n, _ in traces[0]} & HOST_READS
+    names = {name for name, _ in traces[0]}
+    assert not names & HOST_READS, names & HOST_READS
+
+
+def test_the_trace_sees_the_routed_experts_read_back() -> None:
     from dsinfer.layers.moe import MoEConfig, RoutedExperts
 
     experts = RoutedExperts(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2))
     for p in experts.parameters():
         p.data.normal_()
-    with _OpTrace() as trace:
+    with torch.inference_mode(), _OpTrace() as trace:
         experts(torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]]))
     assert {"aten::bincount", "Tensor.tolist"} <= trace.names
