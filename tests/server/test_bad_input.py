@@ -184,7 +184,10 @@ def test_a_prompt_list_runs_as_one_batch(scripted_url, scripted):
 def test_a_simultaneous_burst_respects_the_queue_limit(scripted):
     """64 streams at once against --max-queued-requests 4: the excess gets 429 at once."""
     app = build_app({"smollm2": scripted}, ServerSettings(max_queued_requests=4))
-    body = {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "stream": True}
+    # 100 tokens of 10 ms steps: an admitted stream runs for ~1 s, longer than the burst takes
+    # to arrive even on a loaded machine (with 4 tokens, streams that finished during a slow
+    # burst let up to 28 in).
+    body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
 
     async def burst(url: str) -> list[int]:
         async with httpx.AsyncClient(timeout=120) as client:
