@@ -214,15 +214,27 @@ class AsyncEngine:
                 self.engine.abort_request(str(payload))
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(rid)
-        if stream is None:
-            return
-        if isinstance(item, RequestOutput) and item.error is not None:
-            item = RequestFailedError(item.error.error_id, item.error.message)
-        stream.started = True
-        if isinstance(item, BaseException) or item.finished:
-            self._streams.pop(rid, None)  # counted as pending no longer, even if never read
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        self._deliver_all([(rid, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand each item to its request's stream: one call into each event loop for all of a
+        step's outputs (at 16 streams, one wake-up of the loop a step instead of 16)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for rid, item in items:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if isinstance(item, RequestOutput) and item.error is not None:
+                item = RequestFailedError(item.error.error_id, item.error.message)
+            stream.started = True
+            if isinstance(item, BaseException) or item.finished:
+                self._streams.pop(rid, None)  # counted as pending no longer, even if never read
+            by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # that loop is closed: nobody is left to read these
+                logger.debug("outputs for %d stream(s) of a closed event loop dropped", len(puts))
 
     def _build(self) -> bool:
         """Build the engine from the factory on this thread; False (and dead) if it fails."""
@@ -258,8 +270,7 @@ class AsyncEngine:
                 continue
             t0 = time.perf_counter()
             outputs = self.engine.step()
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all([(out.request_id, out) for out in outputs])
             logger.debug("step %.1f ms, %d outputs", 1e3 * (time.perf_counter() - t0), len(outputs))
 
     def _restart(self, fault: BaseException) -> bool:
@@ -301,3 +312,8 @@ class AsyncEngine:
         self.dead = self.dead or fault
         for rid in list(self._streams):
             self._deliver(rid, EngineDeadError(f"the engine stopped: {self.dead}"))
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)

@@ -192,3 +192,42 @@ def test_an_engine_that_cannot_restart_answers_503(tiny_config):
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 4}, timeout=30)
         assert r.status_code == 503
     served.engine.shutdown()
+
+
+def test_a_step_reaches_every_stream_and_a_closed_loop_stops_nothing(smol_tokenizer):
+    """A step's outputs go to each stream in order (one call into each event loop a step);
+    outputs for a stream whose event loop has closed (its client is gone) are dropped, and the
+    engine serves the other loop's streams on."""
+    import asyncio
+
+    from dsinfer.sampling import SamplingParams
+    from tests.server.scripted_engine import ScriptedEngine
+
+    runner = AsyncEngine(ScriptedEngine(smol_tokenizer))
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    try:
+        gone = asyncio.new_event_loop()
+
+        async def orphan() -> None:
+            runner.submit([1, 2, 3], params, "orphan")  # never read
+
+        gone.run_until_complete(orphan())
+        gone.close()
+
+        async def streams() -> list[list[int]]:
+            subs = [runner.submit([1, 2, 3 + i], params, f"s{i}") for i in range(6)]
+
+            async def collect(s) -> list[int]:  # noqa: ANN001
+                got = []
+                async for out in s:
+                    got.extend(out.outputs[0].delta_token_ids)
+                return got
+
+            # Bounded: an engine thread that died on the closed loop would leave these waiting.
+            return await asyncio.wait_for(asyncio.gather(*(collect(s) for s in subs)), 30)
+
+        tokens = asyncio.run(streams())
+        assert [len(t) for t in tokens] == [20] * 6
+        assert runner.dead is None
+    finally:
+        runner.shutdown()
