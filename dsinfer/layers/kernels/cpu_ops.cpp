@@ -1485,19 +1485,31 @@ at::Tensor int4_vnni_dequantize_t(const at::Tensor& codes, const at::Tensor& sz)
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const auto* szp = sz.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, OB, 4, [&](int64_t ob0, int64_t ob1) {
+  // Blocks in pairs: the two blocks' 16 outputs of one input are 32 adjacent bf16, one whole
+  // 64-byte line a store (one block a pass wrote each line in two halves, at different times).
+  // O % 64 == 0, so OB is even and a pair never straddles two threads' ranges (grain 2).
+  at::parallel_for(0, OB / 2, 2, [&](int64_t p0, int64_t p1) {
     const __m512i mask = _mm512_set1_epi32(0x0F);
-    for (int64_t ob = ob0; ob < ob1; ++ob)
+    for (int64_t ob = 2 * p0; ob < 2 * p1; ob += 2)
       for (int64_t g = 0; g < G; ++g) {
-        const __m512 s = load16(szp + (ob * G + g) * 32), z = load16(szp + (ob * G + g) * 32 + 16);
+        const c10::BFloat16* sz0 = szp + (ob * G + g) * 32;
+        const c10::BFloat16* sz1 = szp + ((ob + 1) * G + g) * 32;
+        const __m512 s0 = load16(sz0), z0 = load16(sz0 + 16);
+        const __m512 s1 = load16(sz1), z1 = load16(sz1 + 16);
         for (int64_t c = 0; c < 4; ++c) {
-          const __m512i v = _mm512_loadu_si512(cp + ((ob * (K / 8)) + g * 4 + c) * 64);
+          const __m512i v0 = _mm512_loadu_si512(cp + ((ob * (K / 8)) + g * 4 + c) * 64);
+          const __m512i v1 = _mm512_loadu_si512(cp + (((ob + 1) * (K / 8)) + g * 4 + c) * 64);
           for (int64_t i = 0; i < 8; ++i) {  // input k = g·32 + c·8 + i: nibble i of each lane
             const int shift = (i < 4 ? 8 * i : 8 * (i - 4) + 4);
-            const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, shift), mask);
-            const __m512 w = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(8.f)), s, z);
+            const __m512 eight = _mm512_set1_ps(8.f);
+            const __m512i q0 = _mm512_and_si512(_mm512_srli_epi32(v0, shift), mask);
+            const __m512i q1 = _mm512_and_si512(_mm512_srli_epi32(v1, shift), mask);
+            const __m512 w0 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q0), eight), s0, z0);
+            const __m512 w1 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q1), eight), s1, z1);
             const int64_t k = g * 32 + c * 8 + i;
-            _mm256_storeu_si256((__m256i*)(op + k * O + ob * 16), (__m256i)_mm512_cvtneps_pbh(w));
+            const __m512i line = _mm512_inserti64x4(
+                _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(w0)), (__m256i)_mm512_cvtneps_pbh(w1), 1);
+            _mm512_storeu_si512(op + k * O + ob * 16, line);
           }
         }
       }
