@@ -1490,6 +1490,7 @@ at::Tensor int4_vnni_dequantize_t(const at::Tensor& codes, const at::Tensor& sz)
   // O % 64 == 0, so OB is even and a pair never straddles two threads' ranges (grain 2).
   at::parallel_for(0, OB / 2, 2, [&](int64_t p0, int64_t p1) {
     const __m512i mask = _mm512_set1_epi32(0x0F);
+    const __m512 eight = _mm512_set1_ps(8.f);
     for (int64_t ob = 2 * p0; ob < 2 * p1; ob += 2)
       for (int64_t g = 0; g < G; ++g) {
         const c10::BFloat16* sz0 = szp + (ob * G + g) * 32;
@@ -1501,14 +1502,13 @@ at::Tensor int4_vnni_dequantize_t(const at::Tensor& codes, const at::Tensor& sz)
           const __m512i v1 = _mm512_loadu_si512(cp + (((ob + 1) * (K / 8)) + g * 4 + c) * 64);
           for (int64_t i = 0; i < 8; ++i) {  // input k = g·32 + c·8 + i: nibble i of each lane
             const int shift = (i < 4 ? 8 * i : 8 * (i - 4) + 4);
-            const __m512 eight = _mm512_set1_ps(8.f);
-            const __m512i q0 = _mm512_and_si512(_mm512_srli_epi32(v0, shift), mask);
-            const __m512i q1 = _mm512_and_si512(_mm512_srli_epi32(v1, shift), mask);
-            const __m512 w0 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q0), eight), s0, z0);
-            const __m512 w1 = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q1), eight), s1, z1);
+            // One block's 16 weights of input k: (q − 8)·s + z, rounded to bf16.
+            const auto widen = [&](__m512i v, __m512 s, __m512 z) {
+              const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, shift), mask);
+              return (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(q), eight), s, z));
+            };
             const int64_t k = g * 32 + c * 8 + i;
-            const __m512i line = _mm512_inserti64x4(
-                _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(w0)), (__m256i)_mm512_cvtneps_pbh(w1), 1);
+            const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(widen(v0, s0, z0)), widen(v1, s1, z1), 1);
             _mm512_storeu_si512(op + k * O + ob * 16, line);
           }
         }
@@ -1690,18 +1690,8 @@ void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask) {
 
 }  // namespace
 
-// Sampling: the n most probable tokens of each row of softmax(logits / temperature), in falling
-// order, with their probabilities — what torch.topk(torch.softmax(logits / t), n) gives, in one
-// pass of arithmetic over the vocabulary instead of a division, a softmax and a top-k (2.6 ms
-// for 16 rows of SmolLM2's 49k vocabulary, ~10% of a sampled decode step). Per row:
-//   1. m = max(logits) / t (division is monotone, so this is the max of the quotients);
-//   2. one pass: y = logits / t − m, the sum of exp(y), and a histogram of −y in bins of 1/8
-//      (the last bin takes everything from 31.875 down);
-//   3. the tokens in the bins up to the one where the count reaches n are the only ones that
-//      can be among the top n: collected, sorted (ties by token id), the first n kept.
-// A row whose max or sum is not finite (NaN logits, every token removed) gets NaN
-// probabilities: the caller draws it on its own path.
-//   logits [B, V] fp32, temperature [B] fp32 (> 0) -> probs [B, n] fp32, ids [B, n] int64.
+// The sampling ops (softmax_top_candidates, sample_full_rows) and their shared passes.
+
 // The max of a row of logits, and whether it holds a NaN (max_ps drops NaNs, and exp's clamps
 // would make them finite): the sampling ops' first pass.
 inline float row_max(const float* l, int64_t V, bool& nan) {
@@ -1741,6 +1731,18 @@ constexpr int kDrawBins = 256;
 constexpr float kDrawBinsPerUnit = 8.f;
 }  // namespace
 
+// Sampling: the n most probable tokens of each row of softmax(logits / temperature), in falling
+// order, with their probabilities — what torch.topk(torch.softmax(logits / t), n) gives, in one
+// pass of arithmetic over the vocabulary instead of a division, a softmax and a top-k (2.6 ms
+// for 16 rows of SmolLM2's 49k vocabulary, ~10% of a sampled decode step). Per row:
+//   1. m = max(logits) / t (division is monotone, so this is the max of the quotients);
+//   2. one pass: y = logits / t − m, the sum of exp(y), and a histogram of −y in bins of 1/8
+//      (the last bin takes everything from 31.875 down);
+//   3. the tokens in the bins up to the one where the count reaches n are the only ones that
+//      can be among the top n: collected, sorted (ties by token id), the first n kept.
+// A row whose max or sum is not finite (NaN logits, every token removed) gets NaN
+// probabilities: the caller draws it on its own path.
+//   logits [B, V] fp32, temperature [B] fp32 (> 0) -> probs [B, n] fp32, ids [B, n] int64.
 std::tuple<at::Tensor, at::Tensor> softmax_top_candidates(const at::Tensor& logits, const at::Tensor& temperature,
                                                           int64_t n) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat,
