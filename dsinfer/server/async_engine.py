@@ -310,8 +310,8 @@ class AsyncEngine:
     def _die(self, fault: BaseException) -> None:
         self.restarting = False
         self.dead = self.dead or fault
-        for rid in list(self._streams):
-            self._deliver(rid, EngineDeadError(f"the engine stopped: {self.dead}"))
+        err = EngineDeadError(f"the engine stopped: {self.dead}")
+        self._deliver_all([(rid, err) for rid in list(self._streams)])
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:

@@ -177,10 +177,10 @@ class DecodeGraphs:
 
 def _pad_rows(s: _Bucket, start: int, pad_block: int) -> None:
     """Rows from `start` on: token 0 at position 0, its K/V into the pad block, one token of
-    context (a row attending to nothing would divide by zero)."""
+    context (a row attending to nothing would divide by zero). Their table rows hold the pad
+    block already (filled at capture, and by _load before each step)."""
     s.ids[start:] = 0
     s.positions[start:] = 0
     s.slot_blocks[start:] = pad_block
     s.slot_offsets[start:] = 0
     s.lens[start:] = 1
-    s.tables[start:] = pad_block

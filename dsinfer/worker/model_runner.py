@@ -109,11 +109,13 @@ class ModelRunner:
 
     def _graphs_wanted(self, step_program: bool, decode_graphs: bool | None) -> bool:
         """Whether decode steps are recorded as graphs; logs why not where they were wanted."""
-        if decode_graphs is False or (decode_graphs is None and not step_program):
+        if decode_graphs is None:  # the fused step of a device that records graphs (the
+            # CPU's fused step is the C++ program)
+            decode_graphs = (
+                step_program and self.backend == "fused" and graphs_unavailable(self.device) is None
+            )
+        if not decode_graphs:
             return False
-        if decode_graphs is None:
-            if self.backend != "fused" or graphs_unavailable(self.device) is not None:
-                return False  # the CPU's fused step is the C++ program
         state = parallel_state()
         why = (
             "tensor or pipeline parallel ranks"
