@@ -103,5 +103,5 @@ class LMHead(Linear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] → [N, vocab] fp32 (a collective under a split vocabulary: every TP rank
         of stage 0 calls it for the same rows)."""
-        logits = self.method.apply(self, hidden, None).float()
+        logits = self.method.apply_fp32(self, hidden, None)
         return all_gather_last(logits) if self.parallel == "column" else logits

@@ -62,6 +62,13 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_fp32(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`apply(...).float()`, value for value (the LM head's logits are sampled in fp32); a
+        method whose kernel can write those values directly overrides it."""
+        return self.apply(layer, x, bias).float()
+
     def program_operand(self, layer: nn.Module) -> ProgramOperand | None:
         """This layer's weights for the decode-step program, multiplied exactly as `apply`
         does; None when the program has no kernel for this method (the step stays eager)."""

@@ -184,6 +184,17 @@ class Int8LinearMethod(LinearMethod):
             y = (flat @ wt) * layer.scales
         return _finish(y, x, bias)
 
+    def apply_fp32(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        flat = _rows(x)
+        if self.vnni and bias is None and flat.shape[0] <= _FUSED_INT8_MAX_ROWS:
+            # The kernel rounds each value to x's dtype and stores it widened: apply's result
+            # `.float()`ed, without writing and re-reading a second [rows, vocab] tensor.
+            y = torch.ops.dsinfer.int8_vnni_linear(flat, layer.qweight, layer.scales, True)
+            return _finish(y, x, None)
+        return self.apply(layer, x, bias).float()
+
     def rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows of the dequantised weight, W[ids] [T, in] in `dtype` (a tied embedding's
         lookup, once the layer is repacked: LMHead.use_kernels asks only then)."""

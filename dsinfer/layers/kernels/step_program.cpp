@@ -67,7 +67,7 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
     case kInt8Vnni:
       if (rows <= 64) {
         DSINFER_RANGE("dsinfer::int8_vnni_linear");
-        y = int8_vnni_linear(x, l.a, l.b);
+        y = int8_vnni_linear(x, l.a, l.b, /*fp32_out=*/false);
       } else {
         y = at::mm(x, int8_vnni_dequantize_t(l.a).to(x.scalar_type())) * l.b;
       }
