@@ -17,6 +17,7 @@ from torch import nn
 from dsinfer.distributed.comm import all_reduce_stage
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.activation import silu_and_mul
+from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.linear import Linear
 
 
@@ -36,6 +37,9 @@ class ExpertsMethod:
         """(halves, dim) of a stored stack: the intermediate dimension the TP cut falls on
         (halves: it holds gate | up, each cut alike), or None: whole on every rank."""
         return (True, 1) if name == "w13" else (False, 2)
+
+    def use_kernels(self, experts: nn.Module, kernels_name: str, device_type: str) -> None:
+        """Pick kernels for the engine's backend after loading; the float format has one."""
 
     def matmul(self, experts: nn.Module, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
         """x [n, in] through expert e's w13 or w2."""
@@ -164,6 +168,9 @@ class RoutedExperts(nn.Module):
             return t.narrow(dim, lo, i)
         whole = t.shape[dim] // 2
         return torch.cat([t.narrow(dim, lo, i), t.narrow(dim, whole + lo, i)], dim=dim)
+
+    def use_kernels(self, kernels: Kernels, device_type: str) -> None:
+        self.method.use_kernels(self, kernels.name, device_type)
 
     def set_method(self, method: ExpertsMethod) -> None:
         """Swap the weight format (artifact load, compile): drops the old tensors."""

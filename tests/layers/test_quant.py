@@ -102,3 +102,40 @@ def test_a_method_owns_its_tensors_and_their_tensor_parallel_cut() -> None:
     assert set(lin._parameters) == {"qweight", "scales"}
     assert Int8LinearMethod().tp_dims("scales") == (0, None)  # one per output row: whole
     assert Int4LinearMethod(32).tp_dims("scales_zeros") == (1, 0)  # [groups, out, 2]
+
+
+def test_int8_experts_on_the_fused_backend_take_the_single_row_kernel() -> None:
+    """A routed expert's single row goes through the fused int8 kernel (the same fp32
+    arithmetic as torch's packed one, faster at expert shapes); several rows keep torch's
+    kernel; the reference backend never takes it. Values agree with the dequantised weight."""
+    from dsinfer.layers.backend import resolve_backend
+    from dsinfer.layers.kernels import FUSED_CPU, REFERENCE
+    from dsinfer.layers.moe import MoEConfig, RoutedExperts
+    from dsinfer.layers.quant import Int8ExpertsMethod
+
+    assert resolve_backend("fused", torch.device("cpu")).name == "fused"  # kernels loaded
+    torch.manual_seed(4)
+    experts = RoutedExperts(MoEConfig(hidden_size=64, intermediate_size=48, num_experts=4, top_k=2))
+    experts.w13.data.normal_(0, 0.05)
+    experts.w2.data.normal_(0, 0.05)
+    Int8ExpertsMethod().quantize(experts, torch.bfloat16)
+    q, s = experts.q13[1], experts.s13[1]
+    calls: list[int] = []
+    real = torch.ops.dsinfer.int8_linear
+
+    def counted(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, w, scales)
+
+    x = torch.randn(3, 64).bfloat16()
+    want = (x.float() @ (q.float() * s.float()[:, None]).t()).bfloat16()
+    for kernels, rows, kernel_rows in ((FUSED_CPU, 1, [1]), (FUSED_CPU, 3, []), (REFERENCE, 1, [])):
+        experts.use_kernels(kernels, "cpu")
+        calls.clear()
+        torch.ops.dsinfer.int8_linear = counted  # type: ignore[misc]
+        try:
+            got = experts.method.matmul(experts, x[:rows], "13", 1)
+        finally:
+            torch.ops.dsinfer.int8_linear = real  # type: ignore[misc]
+        assert calls == kernel_rows, (kernels.name, rows)
+        torch.testing.assert_close(got.float(), want[:rows].float(), atol=2e-2, rtol=1e-2)

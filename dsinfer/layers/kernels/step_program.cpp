@@ -54,7 +54,7 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
       break;
     case kInt8: {
       const int64_t O = l.a.size(0), K = l.a.size(1);
-      if (rows <= 64 && O >= 8192) {
+      if (rows == 1 || (rows <= 64 && O >= 8192)) {  // quant.py's int8_mm, rule for rule
         DSINFER_RANGE("dsinfer::int8_linear");
         y = int8_linear(x, l.a, l.b);
       } else if (rows < 16 && K % 16 == 0) {
