@@ -448,6 +448,30 @@ def test_argmax_kernel_is_torchs_argmax(vocab: int) -> None:
         assert greedy_tokens(x) == want.tolist()
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 9])
+# lora 512: two vectors of lanes a pass (V2-Lite's); 48: a one-vector tail after one pass.
+@pytest.mark.parametrize("heads,nope,v,lora", [(16, 128, 128, 512), (3, 8, 12, 48)])
+def test_mla_projections_read_kv_b_as_the_reference_multiplies(
+    weight_dtype: torch.dtype, rows: int, heads: int, nope: int, v: int, lora: int
+) -> None:
+    """MLA's absorbed decode around the latent attention: q_nope · W_UK and o_lat · W_UVᵀ from
+    kv_b_proj's weight in its own dtype equal the reference's einsums over an fp32 copy (the
+    same products, summed in another order)."""
+    g = torch.Generator().manual_seed(9)
+    kv_b = (torch.randn(heads * (nope + v), lora, generator=g) * 0.05).to(weight_dtype)
+    w = kv_b.float().view(heads, nope + v, lora)
+    q_nope = torch.randn(rows, heads, nope, generator=g).to(torch.bfloat16)
+    o_lat = torch.randn(rows, heads, lora, generator=g)
+    want_q = torch.einsum("bhn,hnl->bhl", q_nope.float(), w[:, :nope])
+    want_o = torch.einsum("bhl,hvl->bhv", o_lat, w[:, nope:])
+    got_q = torch.ops.dsinfer.mla_absorb_query(q_nope, kv_b, v)
+    got_o = torch.ops.dsinfer.mla_expand_output(o_lat, kv_b, nope)
+    assert got_q.dtype == got_o.dtype == torch.float32
+    torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
+
+
 def test_tied_embedding_reads_the_quantised_heads_rows() -> None:
     """A tied vocabulary is kept once: after the fused backend repacks the int8 head, the
     embedding drops its float table and looks rows up in the head (w · s, as the head

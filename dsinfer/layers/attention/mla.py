@@ -47,12 +47,13 @@ class MLAPagedAttention(AttentionBackend):
         """q_nope [T, H, nope], q_pe [T, H, rope], latent [T, lora + rope] (this step's tokens),
         cache [blocks, bs, lora + rope], kv_b: kv_b_proj weight [H·(nope + v), lora] → [T, H, v]."""
         cache[meta.slot_blocks, meta.slot_offsets] = latent.to(cache.dtype)
-        w_uk, w_uv = self._split_kv_b(kv_b)
         out = torch.empty(q_nope.shape[0], self.h, self.v, dtype=q_nope.dtype, device=q_nope.device)
         nd = meta.num_decode
         if nd:
             decode = self._absorbed if self.absorb_decode else self._naive_decode
-            out[:nd] = decode(q_nope[:nd], q_pe[:nd], cache, w_uk, w_uv, meta)
+            out[:nd] = decode(q_nope[:nd], q_pe[:nd], cache, kv_b, meta)
+        if meta.prefills:
+            w_uk, w_uv = self._split_kv_b(kv_b)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.ctx_len == p.q_len:
@@ -99,7 +100,8 @@ class MLAPagedAttention(AttentionBackend):
         rows = cache.view(cache.shape[0], -1).index_select(0, bt.reshape(-1))
         return rows.view(b, -1, self.lora + self.rope).float()  # [B, L, lora + rope]
 
-    def _absorbed(self, q_nope, q_pe, cache, w_uk, w_uv, meta) -> torch.Tensor:  # noqa: ANN001
+    def _absorbed(self, q_nope, q_pe, cache, kv_b, meta) -> torch.Tensor:  # noqa: ANN001
+        w_uk, w_uv = self._split_kv_b(kv_b)
         ctx = self._gather_decode(cache, meta)
         b = ctx.shape[0]
         c, k_pe = ctx[..., : self.lora], ctx[..., self.lora :]  # [B, L, lora], [B, L, rope]
@@ -114,8 +116,9 @@ class MLAPagedAttention(AttentionBackend):
         o_lat = torch.matmul(probs, c)  # [B, H, lora]
         return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)  # [B, H, v]
 
-    def _naive_decode(self, q_nope, q_pe, cache, w_uk, w_uv, meta) -> torch.Tensor:  # noqa: ANN001
+    def _naive_decode(self, q_nope, q_pe, cache, kv_b, meta) -> torch.Tensor:  # noqa: ANN001
         """Reference for the absorbed path: expand every cached latent, then attend."""
+        w_uk, w_uv = self._split_kv_b(kv_b)
         ctx = self._gather_decode(cache, meta)
         assert meta.decode_mask is not None
         lengths = (~meta.decode_mask.view(ctx.shape[0], -1)).sum(dim=1).tolist()

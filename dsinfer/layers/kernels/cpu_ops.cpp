@@ -1190,6 +1190,131 @@ inline void in_row_chunks(int64_t M, F&& f) {
   }
 }
 
+// ---- MLA's absorbed decode: the projections into and out of latent space ------------------
+// kv_b_proj's weight [H·(nope + v), lora] holds, per head h, W_UK in rows [h·(nope + v), +nope)
+// and W_UV in the v rows after. The reference multiplies with an fp32 copy of both halves
+// (einsums); these read the weight in its own dtype, widening bf16 exactly in registers, with
+// fp32 sums: the same products in another order, from half the bytes (decode at batch 1 streams
+// both halves every layer: DeepSeek-V2-Lite 2 × 2 MiB in bf16 against 2 × 4 MiB in fp32).
+// Work: one task per head (each head's weight is read once for every row).
+
+// M rows (compile time: the accumulators stay in registers) × V vectors of lanes l0 … l0 + 16V:
+// q_lat[r, l] = Σ_n q[r, n] · w[n, l], q rows `q_stride` apart (fp32 or bf16), w rows `lora` apart.
+template <int M, int V, typename X, typename W>
+inline void absorb_lanes(const X* q, int64_t q_stride, const W* w, int64_t nope, int64_t lora, int64_t l0,
+                         float* out, int64_t out_stride) {
+#if defined(__AVX512F__)
+  __m512 acc[M][V];
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t n = 0; n < nope; ++n) {
+    __m512 wv[V];
+    for (int c = 0; c < V; ++c) wv[c] = load16(w + n * lora + l0 + 16 * c);
+    for (int r = 0; r < M; ++r) {
+      const __m512 x = _mm512_set1_ps(f32(q[r * q_stride + n]));
+      for (int c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(x, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + r * out_stride + l0 + 16 * c, acc[r][c]);
+#endif
+}
+
+// out[r, j] = Σ_l o[r, l] · w[j, l] for M rows of o (fp32, `o_stride` apart), j < v.
+template <int M, typename W>
+inline void expand_rows(const float* o, int64_t o_stride, const W* w, int64_t v, int64_t lora, float* out,
+                        int64_t out_stride) {
+#if defined(__AVX512F__)
+  for (int64_t j = 0; j < v; ++j) {
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < lora; l += 16) {
+      const __m512 wv = load16(w + j * lora + l);
+      for (int r = 0; r < M; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(o + r * o_stride + l), wv, acc[r]);
+    }
+    for (int r = 0; r < M; ++r) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r]);
+  }
+#endif
+}
+
+void check_kv_b(const at::Tensor& kv_b, int64_t H, int64_t nope, int64_t v) {
+  TORCH_CHECK(kv_b.dim() == 2 && kv_b.is_contiguous() && kv_b.size(0) == H * (nope + v),
+              "kv_b must be contiguous [H·(nope + v), lora]");
+  TORCH_CHECK(kv_b.scalar_type() == at::kFloat || kv_b.scalar_type() == at::kBFloat16,
+              "kv_b must be fp32 or bf16");
+}
+
+bool mla_projections_supported(int64_t lora) {
+#if defined(__AVX512F__)
+  return lora % 16 == 0;
+#else
+  return false;
+#endif
+}
+
+// q_nope [B, H, nope] (fp32 or bf16) → q_lat [B, H, lora] fp32: q_nope · W_UK per head.
+at::Tensor mla_absorb_query(const at::Tensor& q_nope, const at::Tensor& kv_b, int64_t v_dim) {
+  TORCH_CHECK(q_nope.dim() == 3 && q_nope.is_contiguous(), "q_nope must be contiguous [B, H, nope]");
+  TORCH_CHECK(q_nope.scalar_type() == at::kFloat || q_nope.scalar_type() == at::kBFloat16,
+              "q_nope must be fp32 or bf16");
+  const int64_t B = q_nope.size(0), H = q_nope.size(1), nope = q_nope.size(2), lora = kv_b.size(1);
+  check_kv_b(kv_b, H, nope, v_dim);
+  TORCH_CHECK(mla_projections_supported(lora), "mla_absorb_query: lora must be a multiple of 16 (AVX-512)");
+  auto out = at::empty({B, H, lora}, q_nope.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const auto run = [&](const auto* qp, const auto* wp) {
+    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h) {
+        const auto* w = wp + h * (nope + v_dim) * lora;  // W_UK: [nope, lora]
+        in_row_chunks<8>(B, [&](int64_t b0, auto rows) {
+          constexpr int M = decltype(rows)::value;
+          const auto* q = qp + (b0 * H + h) * nope;
+          float* o = op + (b0 * H + h) * lora;
+          int64_t l0 = 0;
+          for (; l0 + 32 <= lora; l0 += 32) absorb_lanes<M, 2>(q, H * nope, w, nope, lora, l0, o, H * lora);
+          if (l0 < lora) absorb_lanes<M, 1>(q, H * nope, w, nope, lora, l0, o, H * lora);
+        });
+      }
+    });
+  };
+  const bool q16 = q_nope.scalar_type() == at::kBFloat16, w16 = kv_b.scalar_type() == at::kBFloat16;
+  using B16 = c10::BFloat16;
+  if (q16 && w16) run(q_nope.data_ptr<B16>(), kv_b.data_ptr<B16>());
+  else if (q16) run(q_nope.data_ptr<B16>(), kv_b.data_ptr<float>());
+  else if (w16) run(q_nope.data_ptr<float>(), kv_b.data_ptr<B16>());
+  else run(q_nope.data_ptr<float>(), kv_b.data_ptr<float>());
+  return out;
+}
+
+// o_lat [B, H, lora] fp32 → [B, H, v] fp32: o_lat · W_UVᵀ per head.
+at::Tensor mla_expand_output(const at::Tensor& o_lat, const at::Tensor& kv_b, int64_t nope) {
+  TORCH_CHECK(o_lat.dim() == 3 && o_lat.is_contiguous() && o_lat.scalar_type() == at::kFloat,
+              "o_lat must be contiguous fp32 [B, H, lora]");
+  const int64_t B = o_lat.size(0), H = o_lat.size(1), lora = o_lat.size(2);
+  TORCH_CHECK(kv_b.dim() == 2 && kv_b.size(1) == lora && kv_b.size(0) % H == 0, "kv_b shape mismatch");
+  const int64_t v = kv_b.size(0) / H - nope;
+  TORCH_CHECK(v > 0, "kv_b has no value rows");
+  check_kv_b(kv_b, H, nope, v);
+  TORCH_CHECK(mla_projections_supported(lora), "mla_expand_output: lora must be a multiple of 16 (AVX-512)");
+  auto out = at::empty({B, H, v}, o_lat.options());
+  const float* xp = o_lat.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto run = [&](const auto* wp) {
+    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h) {
+        const auto* w = wp + (h * (nope + v) + nope) * lora;  // W_UV: [v, lora]
+        in_row_chunks<8>(B, [&](int64_t b0, auto rows) {
+          expand_rows<decltype(rows)::value>(xp + (b0 * H + h) * lora, H * lora, w, v, lora,
+                                             op + (b0 * H + h) * v, H * v);
+        });
+      }
+    });
+  };
+  if (kv_b.scalar_type() == at::kBFloat16) run(kv_b.data_ptr<c10::BFloat16>());
+  else run(kv_b.data_ptr<float>());
+  return out;
+}
+
 // out[m] = sum_k x[m, k] * w[k] for m < M: each weight is widened once for all rows (M is a
 // template argument so that the accumulators stay in registers). Two accumulators per row
 // (even and odd blocks of 16): one FMA chain per row would wait on the FMA latency (4 cycles)
@@ -2055,6 +2180,9 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def(
       "mla_decode_attention(Tensor q_lat, Tensor q_pe, Tensor cache, Tensor block_tables, "
       "Tensor seq_lens, float scale) -> Tensor");
+  m.def("mla_projections_supported(int lora) -> bool");
+  m.def("mla_absorb_query(Tensor q_nope, Tensor kv_b, int v_dim) -> Tensor");
+  m.def("mla_expand_output(Tensor o_lat, Tensor kv_b, int nope) -> Tensor");
   m.def(
       "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, int ctx, "
       "float scale) -> Tensor");
@@ -2065,6 +2193,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CatchAll, m) {
   m.impl("int4_dense_supported", &int4_dense_supported);
   m.impl("int4_vnni_supported", &int4_vnni_supported);
   m.impl("paged_prefill_supported", &paged_prefill_supported);
+  m.impl("mla_projections_supported", &mla_projections_supported);
 }
 
 TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
@@ -2080,6 +2209,8 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("sample_full_rows", &sample_full_rows);
   m.impl("mla_decode_attention", &mla_decode_attention);
+  m.impl("mla_absorb_query", &mla_absorb_query);
+  m.impl("mla_expand_output", &mla_expand_output);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("int4_vnni_pack", &int4_vnni_pack);
   m.impl("int4_vnni_linear", &int4_vnni_linear);
