@@ -61,6 +61,7 @@ def main() -> int:
     )
     load = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    built = resident_mib()
     cfg = llm.engine.model_config
     per_token = llm.engine.kv_bytes_per_token
     e = cfg.extra
@@ -72,7 +73,7 @@ def main() -> int:
     )
     print(
         f"DeepSeek-V2-Lite, random {args.quant} weights: built in {load:.0f} s, "
-        f"peak RSS {rss:.1f} GiB"
+        f"peak RSS {rss:.1f} GiB (resident {built:,.0f} MiB)"
     )
     print(
         f"KV per token: MLA latent {per_token:,} B vs per-head {per_head:,} B "
@@ -86,7 +87,15 @@ def main() -> int:
             f"batch {batch:2d}: decode {dec:6.1f} tok/s, overall {overall:6.1f} tok/s "
             f"({args.prompt_len}-token prompts, {args.new_tokens} new)"
         )
+    # What serving added to the built model (the KV pool is allocated at build: activations,
+    # and any weight copy a kernel keeps, e.g. an fp32 copy of kv_b_proj).
+    print(f"resident after generating: {resident_mib():,.0f} MiB")
     return 0
+
+
+def resident_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 if __name__ == "__main__":
