@@ -348,6 +348,9 @@ class Int8ExpertsMethod(ExpertsMethod):
 
     tensor_names = ("q13", "s13", "q2", "s2")
 
+    def __init__(self) -> None:
+        self.fused = False  # the fused backend's int8 kernel for single rows (use_kernels)
+
     def create_weights(self, experts: nn.Module, e: int, two_i: int, h: int) -> None:
         for which, shape in (("13", (e, two_i, h)), ("2", (e, h, two_i // 2))):
             q = torch.empty(shape, dtype=torch.int8)
@@ -359,9 +362,6 @@ class Int8ExpertsMethod(ExpertsMethod):
         if name == "s2":
             return False, None  # per output row of down: whole
         return (True, 1) if name.endswith("13") else (False, 2)
-
-    def __init__(self) -> None:
-        self.fused = False  # the fused backend's int8 kernel for single rows (use_kernels)
 
     def use_kernels(self, experts: nn.Module, kernels_name: str, device_type: str) -> None:
         self.fused = _fused_cpu(kernels_name, device_type)

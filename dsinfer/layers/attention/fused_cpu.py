@@ -146,8 +146,9 @@ class FusedCpuMLAAttention(MLAPagedAttention):
 
     def _split_kv_b(self, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # No fp32 copy kept: decode reads kv_b itself, and a prefill chunk widens it for its
-        # einsums and lets it go (resident: −216 MiB for DeepSeek-V2-Lite, ~2 GiB for V3;
-        # ~0.3 ms a layer on steps with prefill rows). The same values as the kept copy.
+        # einsums and lets it go (resident: −178 MiB measured for DeepSeek-V2-Lite, ~2 GiB at
+        # V3's shapes; ~0.3 ms a layer on steps with prefill rows). The same values as a kept
+        # copy.
         if not self._reads_kv_b(kv_b):
             return super()._split_kv_b(kv_b)
         w = kv_b.float().view(self.h, self.nope + self.v, self.lora)
