@@ -50,12 +50,17 @@ def load_levels(url: str, levels: list[int], args: argparse.Namespace) -> dict[i
             duration=None,
             input_len=args.input_len,
             output_len=args.output_len,
-            seed=0,
+            # Prompts of their own at each level: with one seed for all, the 16-stream level's
+            # first 16 prompts were the one-stream level's, and dsinfer's prefix cache answered
+            # them in ~0.1 s (llama-server keeps one prompt a slot).
+            seed=c,
             temperature=args.temperature,
             top_p=args.top_p,
         )
-        # One warm-up request: neither side pays first-call costs in the figures.
-        asyncio.run(run_load(argparse.Namespace(**{**vars(ns), "num_requests": 1})))
+        # One warm-up request (a prompt of its own seed): neither side pays first-call costs
+        # in the figures.
+        warm = {**vars(ns), "num_requests": 1, "seed": 10_000 + c}
+        asyncio.run(run_load(argparse.Namespace(**warm)))
         before = step_counters(url)
         results, wall = asyncio.run(run_load(ns))
         out[c] = report(results, wall, ns)
