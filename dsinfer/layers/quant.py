@@ -75,8 +75,8 @@ def int8_mm(
         and flat.dtype in (torch.float32, torch.bfloat16)
     ):
         # One row (a decode token; a routed expert's usual share): the same fp32 arithmetic as
-        # torch's packed kernel, streaming the weight faster at every layer shape measured
-        # (2816×2048: 183 → 143 µs, 576×1536: 31 → 20 µs; docs/backends.md).
+        # torch's packed kernel, streaming the weight faster at five of six shapes measured
+        # (2816×2048: 183 → 143 µs, 576×1536: 31 → 20 µs; 1024×1024 a tie; docs/backends.md).
         return torch.ops.dsinfer.int8_linear(flat, qweight, scales)
     if rows < _INT8_DENSE_FROM_ROWS and flat.shape[1] % 16 == 0:
         return torch._weight_int8pack_mm(flat, qweight, scales)
