@@ -27,7 +27,12 @@ from dsinfer.artifact.reader import load_artifact
 from dsinfer.artifact.verify import TrustPolicy
 from dsinfer.config import QUANTISED_SCHEMES, CacheConfig, ModelConfig, parse_memory
 from dsinfer.layers.linear import Linear, LinearMethod
-from dsinfer.layers.quant import layer_format, quantizable_linears, routed_experts
+from dsinfer.layers.quant import (
+    experts_format,
+    layer_format,
+    quantizable_linears,
+    routed_experts,
+)
 from dsinfer.models.loader import LoadedModel, load_model
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.model_runner import ModelRunner
@@ -157,11 +162,12 @@ def weight_bytes(model: nn.Module, group_size: int) -> dict[str, int]:
         for scheme in QUANTISED_SCHEMES:
             fmt, _why = layer_format(scheme, layer, group_size)
             totals[scheme] += size[fmt](layer.out_features, layer.in_features)
-    for _name, experts in routed_experts(model):  # stacked [E, out, in]: int8 in both schemes
-        for w in (experts.w13, experts.w2):
-            e, out_f, in_f = w.shape
-            for scheme in QUANTISED_SCHEMES:
-                totals[scheme] += e * size["int8"](out_f, in_f) - 2 * w.numel()
+    for _name, experts in routed_experts(model):  # stacked [E, out, in]
+        for scheme in QUANTISED_SCHEMES:
+            fmt, _why = experts_format(scheme, experts, group_size)
+            for w in (experts.w13, experts.w2):
+                e, out_f, in_f = w.shape
+                totals[scheme] += e * size[fmt](out_f, in_f) - 2 * w.numel()
     return totals
 
 

@@ -52,6 +52,14 @@ class LinearMethod:
         stays whole under a row-parallel cut."""
         return 0, 1
 
+    def tp_logical(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """A stored tensor as `tp_dims` indexes it (int4: its codes, one per weight, where the
+        stored bytes interleave outputs in blocks); `tp_stored` turns a cut back."""
+        return full
+
+    def tp_stored(self, name: str, part: torch.Tensor) -> torch.Tensor:
+        return part
+
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         raise NotImplementedError
 
@@ -185,7 +193,21 @@ class Linear(nn.Module):
         per-output-row tensors (the bias, per-row scales) stay whole."""
         if self.parallel is None:
             return full
-        out_dim, in_dim = (0, None) if name == "bias" else self.method.tp_dims(name)
+        if name == "bias":
+            return self._tp_cut_logical(name, full, spans, (0, None))
+        cut = self._tp_cut_logical(
+            name, self.method.tp_logical(name, full), spans, self.method.tp_dims(name)
+        )
+        return self.method.tp_stored(name, cut)
+
+    def _tp_cut_logical(
+        self,
+        name: str,
+        full: torch.Tensor,
+        spans: list[tuple[int, int]],
+        dims: tuple[int, int | None],
+    ) -> torch.Tensor:
+        out_dim, in_dim = dims
         if self.parallel == "column":
             parts = [
                 full.narrow(out_dim, off * self.tp_size + self.tp_rank * rows, rows)
@@ -199,7 +221,7 @@ class Linear(nn.Module):
                 f"{name} {tuple(full.shape)} does not split over {self.tp_size} "
                 f"tensor-parallel ranks{self.method.uncuttable_hint}"
             )
-        width = full.shape[in_dim] // self.tp_size  # columns (int4: bytes or groups) per rank
+        width = full.shape[in_dim] // self.tp_size  # columns (int4 scales: groups) per rank
         return full.narrow(in_dim, self.tp_rank * width, width)
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:

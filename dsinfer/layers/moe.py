@@ -38,6 +38,17 @@ class ExpertsMethod:
         (halves: it holds gate | up, each cut alike), or None: whole on every rank."""
         return (True, 1) if name == "w13" else (False, 2)
 
+    def tp_unit(self, name: str) -> int:
+        """Intermediate positions per index along the cut dimension (int4: a group a scale)."""
+        return 1
+
+    def tp_logical(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """A stored stack as `tp_layout` indexes it (int4: its codes); `tp_stored` inverts."""
+        return full
+
+    def tp_stored(self, name: str, part: torch.Tensor) -> torch.Tensor:
+        return part
+
     def use_kernels(self, experts: nn.Module, kernels_name: str, device_type: str) -> None:
         """Pick kernels for the engine's backend after loading; the float format has one."""
 
@@ -118,6 +129,7 @@ class RoutedExperts(nn.Module):
         i = cfg.intermediate_size // slices
         # This rank's slice of each expert's intermediate rows: [slice_start, slice_start + i).
         self.slice_start = (state.tp_rank if slices > 1 else 0) * i
+        self.slices = slices
         self.intermediate = i
         self.num_experts = e
         # Expert parallel: this rank holds experts owned = [first, first + local) of the e.
@@ -153,17 +165,24 @@ class RoutedExperts(nn.Module):
         columns)."""
         full = full.narrow(0, self.first, len(self.owned))
         halves, dim = self.method.tp_layout(name)
-        if dim is None:
+        if dim is None or self.slices == 1:
             return full
-        whole = full.shape[dim] // 2 if halves else full.shape[dim]
-        if self.intermediate == whole:
-            return full  # not sliced
-        return self._tp_slice(full, dim, halves=halves)
+        logical = self.method.tp_logical(name, full)
+        cut = self._tp_slice(logical, dim, halves=halves, unit=self.method.tp_unit(name))
+        return self.method.tp_stored(name, cut)
 
-    def _tp_slice(self, t: torch.Tensor, dim: int, halves: bool) -> torch.Tensor:
+    def _tp_slice(self, t: torch.Tensor, dim: int, halves: bool, unit: int = 1) -> torch.Tensor:
         """The one tensor-parallel rule of the experts: this rank's intermediate slice
-        [lo, lo + i) along `dim` — of each half (gate | up) when `halves`."""
+        [lo, lo + i) along `dim` — of each half (gate | up) when `halves`; `unit` intermediate
+        positions per index along `dim` (int4 groups)."""
         i, lo = self.intermediate, self.slice_start
+        if i % unit:
+            raise ValueError(
+                f"the routed experts' int4 groups of {unit} cannot be cut into tensor-parallel "
+                f"slices of {i}: serve with expert parallel (ep = tp), or compile int8 or a "
+                "smaller --group-size"
+            )
+        i, lo = i // unit, lo // unit
         if not halves:
             return t.narrow(dim, lo, i)
         whole = t.shape[dim] // 2

@@ -83,6 +83,64 @@ def int8_mm(
     return (flat @ qweight.to(flat.dtype).t()) * scales
 
 
+def int4_mm(
+    flat: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    vnni: bool,
+    dense_rows: int,
+) -> torch.Tensor:
+    """[M, in] activations × an int4 weight in torch's packed layout (or, `vnni`, repacked for
+    our kernels) → [M, out], kernel by rows (dense_rows 0: never widen)."""
+    many = dense_rows and flat.shape[0] >= dense_rows and flat.dtype == torch.bfloat16
+    if vnni:
+        # Few rows: int4 × int8 dot products (activations quantised per group of 32, as
+        # llama.cpp does); many rows: the weight widened to bf16 for one dense GEMM.
+        if many:
+            return flat @ torch.ops.dsinfer.int4_vnni_dequantize_t(qweight, scales_zeros)
+        return torch.ops.dsinfer.int4_vnni_linear(flat, qweight, scales_zeros)
+    if many:
+        # Many rows (a prefill chunk): the packed kernel's time grows with every row, a dense
+        # GEMM's barely; the widened weight [in, out] lives for this call only.
+        return flat @ torch.ops.dsinfer.int4_dequantize_t(qweight, group_size, scales_zeros)
+    return torch._weight_int4pack_mm_for_cpu(flat, qweight, group_size, scales_zeros)
+
+
+def int4_vnni_repack(
+    qweight: torch.Tensor, group_size: int, scales_zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's packed int4 [out, in / 2] and scales_zeros → our kernels' layout: codes
+    [O/16, K/8, 64], scales|zeros [O/16, G, 2, 16] bf16 (the same values)."""
+    return torch.ops.dsinfer.int4_vnni_pack(qweight, group_size, scales_zeros)
+
+
+def int4pack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """torch's CPU int4pack [..., O, K / 2] (uint8) → the codes [..., O, K] (uint8, 0..15).
+
+    The stored bytes are not a [O, K / 2] matrix of column pairs: per block of 64 outputs and
+    per input k they hold 32 bytes, byte j carrying output j (low nibble) and 32 + j (high).
+    So a tensor-parallel cut is taken on the codes and packed again (`int4pack_from_codes`)."""
+    *lead, o, half = packed.shape
+    if o % 64:
+        raise ValueError(
+            f"an int4 weight of {o} output rows (not a multiple of 64) cannot be cut for "
+            "tensor parallelism: serve it in one process, or compile an int8 artifact"
+        )
+    k = 2 * half
+    blocks = packed.reshape(*lead, o // 64, k, 32)  # [..., O/64, K, 32]
+    codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [..., O/64, K, 64]
+    return codes.transpose(-1, -2).reshape(*lead, o, k)
+
+
+def int4pack_from_codes(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of `int4pack_codes`, by torch's own packing (any O)."""
+    *lead, o, k = codes.shape
+    flat = codes.reshape(-1, o, k).to(torch.int32)
+    packed = [torch._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1) for c in flat]
+    return torch.stack(packed).reshape(*lead, o, k // 2)
+
+
 # -- the registry: (scheme, device type) → method ------------------------------------------------
 _LINEAR_METHODS: dict[tuple[str, str], type[LinearMethod]] = {}
 _EXPERTS_METHODS: dict[tuple[str, str], type[ExpertsMethod]] = {}
@@ -125,9 +183,23 @@ def quant_method(scheme: str, group_size: int, device_type: str = "cpu") -> Line
     return cls(group_size) if scheme == "int4" else cls()  # type: ignore[call-arg]
 
 
-def experts_method(scheme: str, device_type: str = "cpu") -> ExpertsMethod:
-    """Stacked routed experts are int8 under both int8 and int4 (one kernel call per expert)."""
-    return _lookup(_EXPERTS_METHODS, "int8", device_type)()
+def experts_method(fmt: str, group_size: int, device_type: str = "cpu") -> ExpertsMethod:
+    """The registered method of stacked routed experts in format `fmt` (int8 | int4)."""
+    cls = _lookup(_EXPERTS_METHODS, fmt, device_type)
+    return cls(group_size) if fmt == "int4" else cls()  # type: ignore[call-arg]
+
+
+def experts_format(scheme: str, experts: RoutedExperts, group_size: int) -> tuple[str, str]:
+    """(format, why) of a stack of routed experts under `scheme`: int8 under int8; under int4
+    the int4 layout where the kernel takes both projections' shapes, else int8."""
+    if scheme != "int4":
+        return "int8", ""
+    two_i, h = 2 * experts.intermediate, experts.hidden
+    for out_f, in_f in ((two_i, h), (h, two_i // 2)):
+        reason = int4_unsupported_reason(out_f, in_f, group_size)
+        if reason is not None:
+            return "int8", reason
+    return "int4", ""
 
 
 @register_method("int8", "cpu")
@@ -229,8 +301,15 @@ class Int4LinearMethod(LinearMethod):
     )
 
     def tp_dims(self, name: str) -> tuple[int, int | None]:
-        # qweight [out, in / 2]; scales_zeros [groups, out, 2]: a row cut takes whole groups.
+        # qweight as codes [out, in]; scales_zeros [groups, out, 2]: a row cut takes whole
+        # groups.
         return (0, 1) if name == "qweight" else (1, 0)
+
+    def tp_logical(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return int4pack_codes(full) if name == "qweight" else full
+
+    def tp_stored(self, name: str, part: torch.Tensor) -> torch.Tensor:
+        return int4pack_from_codes(part) if name == "qweight" else part
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
@@ -252,9 +331,7 @@ class Int4LinearMethod(LinearMethod):
         layout (same bytes), once; the torch-layout tensors are dropped, not kept beside it."""
         if self.vnni:
             return
-        codes, sz = torch.ops.dsinfer.int4_vnni_pack(
-            layer.qweight.data, self.group_size, layer.scales_zeros.data
-        )
+        codes, sz = int4_vnni_repack(layer.qweight.data, self.group_size, layer.scales_zeros.data)
         layer.qweight = nn.Parameter(codes, requires_grad=False)  # [O/16, K/8, 64]
         layer.scales_zeros = nn.Parameter(sz, requires_grad=False)  # [O/16, G, 2, 16] bf16
         self.vnni = True
@@ -268,26 +345,13 @@ class Int4LinearMethod(LinearMethod):
         )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = _rows(x)
-        many = self.dense_rows and flat.shape[0] >= self.dense_rows
-        if self.vnni:
-            # Few rows: int4 × int8 dot products (activations quantised per group of 32, as
-            # llama.cpp does); many rows: the weight widened to bf16 for one dense GEMM.
-            if many and flat.dtype == torch.bfloat16:
-                wt = torch.ops.dsinfer.int4_vnni_dequantize_t(layer.qweight, layer.scales_zeros)
-                return _finish(flat @ wt, x, bias)
-            return _finish(
-                torch.ops.dsinfer.int4_vnni_linear(flat, layer.qweight, layer.scales_zeros), x, bias
-            )
-        if many and flat.dtype == torch.bfloat16:
-            # Many rows (a prefill chunk): the packed kernel's time grows with every row, a
-            # dense GEMM's barely; the widened weight [in, out] lives for this call only.
-            wt = torch.ops.dsinfer.int4_dequantize_t(
-                layer.qweight, self.group_size, layer.scales_zeros
-            )
-            return _finish(flat @ wt, x, bias)
-        y = torch._weight_int4pack_mm_for_cpu(
-            flat, layer.qweight, self.group_size, layer.scales_zeros
+        y = int4_mm(
+            _rows(x),
+            layer.qweight,
+            layer.scales_zeros,
+            self.group_size,
+            self.vnni,
+            self.dense_rows,
         )
         return _finish(y, x, bias)
 
@@ -387,6 +451,83 @@ class Int8ExpertsMethod(ExpertsMethod):
             getattr(experts, f"s{which}").data = scales
 
 
+@register_method("int4", "cpu")
+class Int4ExpertsMethod(ExpertsMethod):
+    """Every expert's w13 / w2 in Int4LinearMethod's layout, stacked: q [E, out, in / 2]
+    (torch's int4pack, uint8) and sz [E, in / G, out, 2] (scale, zero); half the bytes of the
+    int8 stacks, which a decode step reads once per routed expert. The fused backend repacks
+    each expert once after loading, as it does an int4 Linear."""
+
+    tensor_names = ("q13", "sz13", "q2", "sz2")
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.dense_rows = 0  # fused backend: widen to bf16 from this many rows (0: never)
+        self.vnni = False  # fused backend: the stacks are repacked for int4_vnni_linear
+
+    def create_weights(self, experts: nn.Module, e: int, two_i: int, h: int) -> None:
+        for which, (out_f, in_f) in (("13", (two_i, h)), ("2", (h, two_i // 2))):
+            q = torch.empty(e, out_f, in_f // 2, dtype=torch.uint8)
+            setattr(experts, f"q{which}", nn.Parameter(q, requires_grad=False))
+            sz = torch.empty(e, in_f // self.group_size, out_f, 2)
+            setattr(experts, f"sz{which}", nn.Parameter(sz, requires_grad=False))
+
+    def tp_layout(self, name: str) -> tuple[bool, int | None]:
+        # As codes: q13 [E, 2I, H] and sz13 [E, H/G, 2I, 2] cut their gate | up rows; q2
+        # [E, H, I] its columns, sz2 [E, I/G, H, 2] its groups (tp_unit).
+        return {"q13": (True, 1), "sz13": (True, 2), "q2": (False, 2), "sz2": (False, 1)}[name]
+
+    def tp_unit(self, name: str) -> int:
+        return self.group_size if name == "sz2" else 1
+
+    def tp_logical(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return int4pack_codes(full) if name.startswith("q") else full
+
+    def tp_stored(self, name: str, part: torch.Tensor) -> torch.Tensor:
+        return int4pack_from_codes(part) if name.startswith("q") else part
+
+    def use_kernels(self, experts: nn.Module, kernels_name: str, device_type: str) -> None:
+        shapes = [experts.q13.shape[1], experts.q2.shape[1]]  # both stacks' output rows
+        ok = (
+            _fused_cpu(kernels_name, device_type)
+            and all(o % 64 == 0 for o in shapes)
+            and torch.ops.dsinfer.int4_dense_supported()
+        )
+        self.dense_rows = _INT4_DENSE_FROM_ROWS if ok else 0
+        if ok and self.group_size == 32 and torch.ops.dsinfer.int4_vnni_supported():
+            self._repack_for_vnni(experts)
+
+    def _repack_for_vnni(self, experts: nn.Module) -> None:
+        """Each expert's tensors → the int8-dot layout (same values), stacked again; torch's
+        layout is dropped, not kept beside it."""
+        if self.vnni:
+            return
+        for which in ("13", "2"):
+            q, sz = getattr(experts, f"q{which}").data, getattr(experts, f"sz{which}").data
+            parts = [int4_vnni_repack(q[e], self.group_size, sz[e]) for e in range(q.shape[0])]
+            for name, i in ((f"q{which}", 0), (f"sz{which}", 1)):
+                stacked = torch.stack([p[i] for p in parts])
+                setattr(experts, name, nn.Parameter(stacked, requires_grad=False))
+        self.vnni = True
+
+    def matmul(self, experts: nn.Module, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
+        q, sz = getattr(experts, f"q{which}")[e], getattr(experts, f"sz{which}")[e]
+        return int4_mm(x.contiguous(), q, sz, self.group_size, self.vnni, self.dense_rows)
+
+    @torch.no_grad()
+    def quantize(self, experts: RoutedExperts, dtype: torch.dtype) -> None:
+        """Float experts → this layout, in place (each expert as an int4 Linear would be)."""
+        tensors = {}
+        for which in ("13", "2"):
+            w = getattr(experts, f"w{which}")
+            parts = [quantize_int4(w[e], self.group_size, dtype) for e in range(w.shape[0])]
+            tensors[f"q{which}"] = torch.stack([p["qweight"] for p in parts])
+            tensors[f"sz{which}"] = torch.stack([p["scales_zeros"] for p in parts])
+        experts.set_method(self)
+        for name, value in tensors.items():
+            getattr(experts, name).data = value
+
+
 def quantizable_linears(model: nn.Module) -> list[tuple[str, Linear]]:
     """Linear layers whose weight only the layer itself reads (MLA reads kv_b_proj directly)."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, Linear) and m.quantizable]
@@ -423,15 +564,20 @@ def apply_format(
 def plan_formats(model: nn.Module, scheme: str, group_size: int) -> dict[str, str]:
     """{module: format} for every module whose format under `scheme` is not `scheme` itself.
 
-    Stacked MoE experts are int8 under int4 as well (one int8 kernel call per expert)."""
+    Stacked MoE experts under int4 are int4 where the kernel takes their shapes, else int8
+    (artifacts compiled before int4 experts existed list their experts as int8: they load
+    so)."""
     exceptions: dict[str, str] = {}
     for name, layer in quantizable_linears(model):
         fmt, why = layer_format(scheme, layer, group_size)
         if fmt != scheme:
             exceptions[name] = fmt
             logger.info("%s: %s (%s)", name, fmt, why)
-    if scheme != "int8":
-        exceptions.update({name: "int8" for name, _m in routed_experts(model)})
+    for name, experts in routed_experts(model):
+        fmt, why = experts_format(scheme, experts, group_size)
+        if fmt != scheme:
+            exceptions[name] = fmt
+            logger.info("%s: %s (%s)", name, fmt, why)
     return exceptions
 
 
@@ -446,8 +592,9 @@ def quantize_model(
         fmt = exceptions.get(name, scheme)
         if fmt != "float":
             apply_format(layer, fmt, group_size, dtype, device_type)
-    for _name, experts in routed_experts(model):
-        experts_method(scheme, device_type).quantize(experts, dtype)  # type: ignore[attr-defined]
+    for name, experts in routed_experts(model):
+        method = experts_method(exceptions.get(name, scheme), group_size, device_type)
+        method.quantize(experts, dtype)  # type: ignore[attr-defined]
     return exceptions
 
 
@@ -466,10 +613,10 @@ def prepare_quantized(
         method = quant_method(exceptions.get(name, scheme), group_size, device_type)
         if method is not None:
             layer.set_method(method)
-    for _name, experts in routed_experts(model):
-        experts.set_method(experts_method(scheme, device_type))
+    for name, experts in routed_experts(model):
+        experts.set_method(experts_method(exceptions.get(name, scheme), group_size, device_type))
 
 
 def routed_experts(model: nn.Module) -> list[tuple[str, RoutedExperts]]:
-    """Stacked MoE experts (they quantise as a whole: int8 per expert and output row)."""
+    """Stacked MoE experts (they quantise as a whole, one format for every expert)."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts)]

@@ -225,7 +225,7 @@ def fill_random_weights(model: nn.Module, seed: int) -> None:
             p.random_(-127, 128, generator=gen_for(p))
         elif p.dtype == torch.uint8:
             p.random_(0, 256, generator=gen_for(p))
-        elif name.endswith("scales_zeros"):
+        elif name.endswith(("scales_zeros", ".sz13", ".sz2")):
             p[..., 0].fill_(int4_scale)
             p[..., 1].zero_()
         elif name.endswith(("scales", ".s13", ".s2")):

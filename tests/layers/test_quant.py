@@ -80,13 +80,20 @@ def test_int8_shapes_the_packed_kernel_gets_wrong_take_the_dense_path(in_feature
 
 
 def test_methods_are_registered_by_scheme_and_device() -> None:
-    from dsinfer.layers.quant import Int8ExpertsMethod, experts_method, quant_method
+    from dsinfer.layers.quant import (
+        Int4ExpertsMethod,
+        Int8ExpertsMethod,
+        experts_method,
+        quant_method,
+    )
 
     assert isinstance(quant_method("int8", 0, "cpu"), Int8LinearMethod)
     int4 = quant_method("int4", 64, "cpu")
     assert isinstance(int4, Int4LinearMethod) and int4.group_size == 64
     assert quant_method("none", 32, "cuda") is None  # float formats need no method
-    assert isinstance(experts_method("int4", "cpu"), Int8ExpertsMethod)  # experts stay int8
+    assert isinstance(experts_method("int8", 0, "cpu"), Int8ExpertsMethod)
+    int4_experts = experts_method("int4", 64, "cpu")
+    assert isinstance(int4_experts, Int4ExpertsMethod) and int4_experts.group_size == 64
     for scheme in ("int8", "int4"):
         with pytest.raises(ValueError, match=f"no {scheme} weight method for cuda.*cpu"):
             quant_method(scheme, 32, "cuda")
@@ -139,3 +146,120 @@ def test_int8_experts_on_the_fused_backend_take_the_single_row_kernel() -> None:
             torch.ops.dsinfer.int8_linear = real  # type: ignore[misc]
         assert calls == kernel_rows, (kernels.name, rows)
         torch.testing.assert_close(got.float(), want[:rows].float(), atol=2e-2, rtol=1e-2)
+
+
+def _experts(intermediate: int, hidden: int = 64, seed: int = 4):  # noqa: ANN202
+    from dsinfer.layers.moe import MoEConfig, RoutedExperts
+
+    torch.manual_seed(seed)
+    cfg = MoEConfig(hidden_size=hidden, intermediate_size=intermediate, num_experts=4, top_k=2)
+    experts = RoutedExperts(cfg)
+    experts.w13.data.normal_(0, 0.05)
+    experts.w2.data.normal_(0, 0.05)
+    return experts
+
+
+def test_experts_take_int4_where_the_kernel_takes_their_shapes() -> None:
+    from dsinfer.layers.quant import experts_format
+
+    assert experts_format("int4", _experts(64), 32) == ("int4", "")
+    assert experts_format("int8", _experts(64), 32) == ("int8", "")
+    fmt, why = experts_format("int4", _experts(24), 32)  # down's in_features 24
+    assert fmt == "int8" and "not a multiple of the group size 32" in why
+
+
+def test_int4_codes_unpack_and_pack_as_torch_does() -> None:
+    from dsinfer.layers.quant import int4pack_codes, int4pack_from_codes
+
+    torch.manual_seed(5)
+    codes = torch.randint(0, 16, (3, 128, 96), dtype=torch.uint8)  # [E, O, K]
+    packed = int4pack_from_codes(codes)
+    assert packed.shape == (3, 128, 48)
+    assert torch.equal(packed[1], torch._convert_weight_to_int4pack_for_cpu(codes[1].int(), 1))
+    assert torch.equal(int4pack_codes(packed), codes)
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        int4pack_codes(int4pack_from_codes(codes[:, :48]))
+
+
+@pytest.mark.parametrize("kernels_name", ["reference", "fused"])
+def test_int4_experts_multiply_as_int4_linears_do(kernels_name: str) -> None:
+    """Each expert of an int4 stack gives exactly what an int4 Linear with the same weight
+    gives, on both backends (the fused one repacks the stacks as it repacks a Linear) and at
+    every kernel choice by rows (1, a few, past the dense threshold)."""
+    from dsinfer.layers.backend import resolve_backend
+    from dsinfer.layers.quant import Int4ExpertsMethod
+
+    kernels = resolve_backend(kernels_name, torch.device("cpu"))
+    experts = _experts(64)
+    w13, w2 = experts.w13.data.clone(), experts.w2.data.clone()
+    Int4ExpertsMethod(32).quantize(experts, torch.bfloat16)
+    assert experts.q13.dtype == torch.uint8 and "w13" not in experts._parameters
+    experts.use_kernels(kernels, "cpu")
+    assert experts.method.vnni == (kernels_name == "fused")
+    torch.manual_seed(6)
+    for which, w in (("13", w13), ("2", w2)):
+        for e in (0, 3):
+            lin = _quantised(w[e], "int4")
+            lin.use_kernels(kernels, "cpu")
+            for rows in (1, 3, 60):
+                x = torch.randn(rows, w.shape[2]).bfloat16()
+                got = experts.method.matmul(experts, x, which, e)
+                assert torch.equal(got, lin(x)), (which, e, rows)
+
+
+def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, tp: int) -> None:
+    from dsinfer.distributed.parallel_state import ParallelState
+
+    state = ParallelState(tp_rank=rank, tp_size=tp)
+    for module in ("dsinfer.layers.linear", "dsinfer.layers.moe"):
+        monkeypatch.setattr(f"{module}.parallel_state", lambda: state)
+
+
+@pytest.mark.parametrize("parallel", ["column", "row"])
+def test_int4_tensor_parallel_cut_is_the_cut_weights_quantisation(monkeypatch, parallel) -> None:
+    """A rank's cut of a stored int4 weight is what quantising its cut of the float weight
+    gives: torch's packed bytes interleave 64 outputs a block, so the cut is taken on the
+    codes (a narrow of the bytes gave another rank's weights)."""
+    torch.manual_seed(7)
+    w = torch.randn(128, 128) * 0.02
+    full = quantize_int4(w, 32, torch.bfloat16)
+    for rank in (0, 1):
+        _as_rank(monkeypatch, rank, 2)
+        lin = Linear(128, 128, parallel=parallel)
+        lin.set_method(Int4LinearMethod(32))
+        part = w.chunk(2, dim=0 if parallel == "column" else 1)[rank]
+        want = quantize_int4(part, 32, torch.bfloat16)
+        for name in ("qweight", "scales_zeros"):
+            assert torch.equal(lin.local_part(name, full[name]), want[name]), (rank, name)
+
+
+def test_int4_experts_tensor_parallel_cut_is_the_cut_weights_quantisation(monkeypatch) -> None:
+    from dsinfer.layers.quant import Int4ExpertsMethod
+
+    whole = _experts(64)
+    w13, w2 = whole.w13.data.clone(), whole.w2.data.clone()
+    Int4ExpertsMethod(32).quantize(whole, torch.bfloat16)
+    for rank in (0, 1):
+        _as_rank(monkeypatch, rank, 2)
+        sliced = _experts(64)
+        assert sliced.intermediate == 32
+        gate, up = w13[:, :64], w13[:, 64:]  # [E, I, H] each; this rank's I slice of both
+        own = slice(rank * 32, (rank + 1) * 32)
+        sliced.w13.data = torch.cat([gate[:, own], up[:, own]], dim=1)
+        sliced.w2.data = w2[:, :, own].contiguous()  # [E, H, I/2]
+        Int4ExpertsMethod(32).quantize(sliced, torch.bfloat16)
+        for name in ("q13", "sz13", "q2", "sz2"):
+            got = sliced.local_part(name, getattr(whole, name).data)
+            assert torch.equal(got, getattr(sliced, name).data), (rank, name)
+
+
+def test_int4_experts_whose_groups_do_not_split_are_refused(monkeypatch) -> None:
+    from dsinfer.layers.quant import Int4ExpertsMethod
+
+    whole = _experts(32)
+    Int4ExpertsMethod(32).quantize(whole, torch.bfloat16)
+    _as_rank(monkeypatch, 1, 2)
+    sliced = _experts(32)
+    sliced.set_method(Int4ExpertsMethod(32))
+    with pytest.raises(ValueError, match="int4 groups of 32 cannot be cut"):
+        sliced.local_part("sz2", whole.sz2.data)
