@@ -76,12 +76,44 @@ def test_deepseek_v3_int8_artifact_under_tp2_equals_single_process(tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.slow  # multi-process: make test-slow
+def test_deepseek_v3_int4_artifact_under_tp2_equals_single_process(tmp_path):
+    """Int4 tensors cut for tensor parallel (rows of the column-parallel layers, groups of the
+    row-parallel ones, the routed experts' intermediate slices) give each rank the weights
+    quantising its own cut would: greedy tokens equal one process's."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from tests.helpers import DEEPSEEK_CASES as CASES
+    from tests.helpers import DEEPSEEK_COMMON as COMMON
+    from tests.helpers import write_tiny_tokenizer as _tokenizer_files
+
+    torch.manual_seed(34)
+    # Sizes whose int4 groups of 32 split over two ranks (the dense MLP, the experts).
+    cfg = {**COMMON, **CASES["v3"][1], "intermediate_size": 128, "moe_intermediate_size": 64}
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**cfg))
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "src")
+    _tokenizer_files(tmp_path / "src")
+    compile_artifact(str(tmp_path / "src"), tmp_path / "art", CompileOptions(quant="int4"))
+    engine = _same_as_single(_config(tmp_path / "art"), tensor_parallel=2)
+    try:
+        layers = engine.executor.runner.model.model.layers
+        assert layers[1].mlp.experts.q13.dtype == torch.uint8  # int4 experts, half of each
+        assert layers[1].mlp.experts.intermediate == 32
+        assert type(layers[0].mlp.down_proj.method).__name__ == "Int4LinearMethod"
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.slow  # spawns a grid to see it refused: make test-slow
-def test_int4_artifact_whose_groups_do_not_split_is_refused(tmp_path):
+def test_int4_artifact_that_cannot_be_cut_is_refused(tmp_path):
     torch.manual_seed(33)
     src = tiny_llama_dir(tmp_path / "src")
     compile_artifact(str(src), tmp_path / "art", CompileOptions(quant="int4"))
-    with pytest.raises(Exception, match="int4 groups cannot be cut"):
+    # o_proj: 32 output rows, under the 64 of torch's packed blocks (and one group of 32).
+    with pytest.raises(Exception, match="int4 .*cannot be cut"):
         LLMEngine(dataclasses.replace(_config(tmp_path / "art"), tensor_parallel=2))
     from dsinfer.distributed.parallel_state import destroy_parallel
 

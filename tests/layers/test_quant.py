@@ -263,3 +263,12 @@ def test_int4_experts_whose_groups_do_not_split_are_refused(monkeypatch) -> None
     sliced.set_method(Int4ExpertsMethod(32))
     with pytest.raises(ValueError, match="int4 groups of 32 cannot be cut"):
         sliced.local_part("sz2", whole.sz2.data)
+
+
+def test_int4_row_parallel_cut_through_a_group_is_refused(monkeypatch) -> None:
+    full = quantize_int4(torch.randn(64, 32) * 0.02, 32, torch.bfloat16)  # one group a row
+    _as_rank(monkeypatch, 0, 2)
+    lin = Linear(32, 64, parallel="row")
+    lin.set_method(Int4LinearMethod(32))
+    with pytest.raises(ValueError, match="int4 groups cannot be cut"):
+        lin.local_part("scales_zeros", full["scales_zeros"])
