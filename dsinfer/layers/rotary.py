@@ -110,6 +110,13 @@ class RotaryEmbedding(nn.Module):
         )
 
 
+def deinterleave_pairs(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] with pairs (2j, 2j+1) → [..., D] as (evens | odds): NeoX layout (DeepSeek's
+    checkpoints store the rope part of q and k interleaved)."""
+    d = x.shape[-1]
+    return x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).reshape(x.shape)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D] (q and k heads may be stacked together) → rotated, same shape."""
     half = x.shape[-1] // 2

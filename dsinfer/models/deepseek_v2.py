@@ -22,7 +22,7 @@ from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.moe import DeepseekMoE, MoEConfig
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import RotaryEmbedding, StepRope, apply_rotary, yarn_mscale
+from dsinfer.layers.rotary import RotaryEmbedding, StepRope, yarn_mscale
 from dsinfer.models.deepseek_mtp import build_mtp_layer, map_mtp_name, mtp_forward
 from dsinfer.models.hf_config import common_config, refuse_mlp_bias
 from dsinfer.models.llama import LlamaForCausalLM, LlamaMLP
@@ -33,12 +33,6 @@ Rope = StepRope
 _EXPERT = re.compile(
     r"^((?:model\.layers\.\d+|mtp)\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
 )
-
-
-def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] with pairs (2j, 2j+1) → [..., D] as (evens | odds): NeoX layout."""
-    d = x.shape[-1]
-    return x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).reshape(x.shape)
 
 
 class MLA(nn.Module):
@@ -96,16 +90,11 @@ class MLA(nn.Module):
         else:
             q = self.q_proj(x)
         q = q.view(t, self.h, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)  # [T, lora + rope]
-        c, k_pe = kv.split([self.lora, self.rope_dim], dim=-1)
-        c = self.kv_a_layernorm(c)[0]
-        q_pe = apply_rotary(_deinterleave(q_pe), rope.cos, rope.sin)  # [T, H, rope]
-        k_pe = apply_rotary(_deinterleave(k_pe).unsqueeze(1), rope.cos, rope.sin).squeeze(
-            1
-        )  # [T, rope]
-        latent = torch.cat([c, k_pe], dim=-1)  # [T, lora + rope]: all the cache keeps
-        o = self.attn.forward(q_nope, q_pe, latent, cache[0], self.kv_b_proj.weight, meta)
+        c = self.kv_a_layernorm(kv[:, : self.lora])[0]  # [T, lora]
+        # Rotary on the rope parts, the latent (c | k_pe) into the cache, attention: the
+        # backend's (one kernel for decode rows on the fused CPU backend).
+        o = self.attn.forward_rope(q, kv, c, rope, cache[0], self.kv_b_proj.weight, meta)
         return self.o_proj(o.reshape(t, self.h * self.v))
 
 

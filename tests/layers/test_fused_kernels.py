@@ -505,3 +505,49 @@ def test_tied_embedding_reads_the_quantised_heads_rows() -> None:
         torch.ops.dsinfer.int8_vnni_rows(
             head.qweight, head.scales, torch.tensor([vocab]), torch.float32
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_rotary_and_latent_write_match_the_reference(dtype: torch.dtype) -> None:
+    """A decode-only MLA step on the fused backend (de-interleave, rotary and the latent's cache
+    write in one kernel) gives the reference's attention and cache: fp32 to rounding, bf16
+    within the reference's own bf16 rounding of the rotated parts (it rotates in fp32)."""
+    from dsinfer.layers.attention import FusedCpuMLAAttention
+    from dsinfer.layers.attention.mla import MLAPagedAttention
+
+    heads, nope, rope_d, v, lora, bs = 4, 16, 8, 12, 32, 4
+    lens, tables = [5, 9, 1], [[3, 0], [1, 4, 6], [2]]
+    g = torch.Generator().manual_seed(11)
+    args = (heads, nope, rope_d, v, lora, 0.3)
+    ref, fused = MLAPagedAttention(*args), FusedCpuMLAAttention(*args)
+    cache = (torch.randn(8, bs, lora + rope_d, generator=g) * 0.5).to(dtype)
+    kv_b = (torch.randn(heads * (nope + v), lora, generator=g) * 0.1).to(dtype)
+    q = torch.randn(3, heads, nope + rope_d, generator=g).to(dtype)
+    kv = torch.randn(3, lora + rope_d, generator=g).to(dtype)
+    c = kv[:, :lora] * 0.5  # stands in for the normed latent
+    meta = decode_metadata(lens, tables, bs)
+    rope = RotaryEmbedding(rope_d, 64, RopeConfig()).cos_sin(meta.decode_seq_lens - 1, dtype)
+    calls: list[int] = []
+    real = torch.ops.dsinfer.mla_rope_decode
+
+    def counted(*a):  # noqa: ANN002, ANN202
+        calls.append(1)
+        return real(*a)
+
+    want_cache, got_cache = cache.clone(), cache.clone()
+    want = ref.forward_rope(q, kv, c, rope, want_cache, kv_b, meta)
+    torch.ops.dsinfer.mla_rope_decode = counted  # type: ignore[misc]
+    try:
+        got = fused.forward_rope(q, kv, c, rope, got_cache, kv_b, meta)
+    finally:
+        torch.ops.dsinfer.mla_rope_decode = real  # type: ignore[misc]
+    assert calls == [1] and got.dtype == dtype and got.shape == (3, heads, v)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    slots = (meta.slot_blocks, meta.slot_offsets)
+    assert torch.equal(got_cache[slots][:, :lora], c)  # the latent as given
+    assert torch.equal(got_cache[slots][:, :lora], want_cache[slots][:, :lora])
+    torch.testing.assert_close(got_cache[slots].float(), want_cache[slots].float(), **tol)
+    untouched = torch.ones(8, bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(got_cache[untouched], cache[untouched])  # nothing else written

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from dsinfer.layers.attention.backend import AttentionBackend, AttentionMetadata
 from dsinfer.layers.attention.registry import register_attention
+from dsinfer.layers.rotary import StepRope, apply_rotary, deinterleave_pairs
 
 
 @register_attention("reference", "any", "mla")
@@ -34,6 +35,27 @@ class MLAPagedAttention(AttentionBackend):
     def graph_safe_decode(self) -> bool:  # type: ignore[override]
         # The absorbed decode has fixed shapes; the naive one splits rows by length on the host.
         return self.absorb_decode
+
+    def forward_rope(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        c: torch.Tensor,
+        rope: StepRope,
+        cache: torch.Tensor,
+        kv_b: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """From the projections: q [T, H, nope + rope] (q_proj's rows), kv [T, lora + rope]
+        (kv_a_proj's: the raw k_pe at the end) and the normed latent c [T, lora]. Rotary on
+        the rope parts (stored with their pairs interleaved), the latent c | k_pe into the
+        cache, attention → [T, H, v]."""
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_pe = apply_rotary(deinterleave_pairs(q_pe), rope.cos, rope.sin)  # [T, H, rope]
+        k_pe = deinterleave_pairs(kv[:, self.lora :]).unsqueeze(1)  # [T, 1, rope]
+        k_pe = apply_rotary(k_pe, rope.cos, rope.sin).squeeze(1)  # [T, rope]
+        latent = torch.cat([c, k_pe], dim=-1)  # [T, lora + rope]: all the cache keeps
+        return self.forward(q_nope, q_pe, latent, cache, kv_b, meta)
 
     def forward(
         self,

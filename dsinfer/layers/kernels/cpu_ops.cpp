@@ -1083,6 +1083,76 @@ bool mla_blocked(const float* q, int64_t nh, int64_t W, int64_t L, int64_t len, 
 // table: no gathered copy of the context, no padding mask, fp32 throughout.
 //   q_lat [B, H, L] fp32; q_pe [B, H, R] fp32; cache [blocks, block_size, L + R];
 //   block_tables [B, >= ceil(seq_len / block_size)] int64; seq_lens [B] int64 -> [B, H, L] fp32.
+// MLA decode rows before attention: DeepSeek checkpoints store the rope part of q and k with
+// its pairs interleaved (2j, 2j + 1); read them as (evens | odds) and rotate at position
+// seq_len - 1 in fp32 from the whole table; write the token's latent (c | rotated k_pe) into
+// its cache slot, return q's rotated rope part in fp32 for the latent-space attention. One
+// call for what the reference does in ~15 small ops (de-interleave, rotate, concatenate, write).
+//   q [B, H, nope + R] (a view of q_proj's rows), kv [B, lora + R] (kv_a_proj's rows: the raw
+//   k_pe at the end), c [B, lora] (the normed latent); tables [P, R] fp32; cache [blocks, bs,
+//   lora + R]; slots [B] int64; seq_lens [B] int64 -> q_pe [B, H, R] fp32.
+at::Tensor mla_rope_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& c,
+                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache,
+                           const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
+                           const at::Tensor& seq_lens, int64_t nope) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [B, H, nope + R] rows");
+  TORCH_CHECK(kv.dim() == 2 && kv.stride(1) == 1 && c.dim() == 2 && c.is_contiguous(),
+              "kv [B, lora + R] and c [B, lora] expected");
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous(), "cache must be contiguous [blocks, bs, lora + R]");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && c.scalar_type() == kv.scalar_type() &&
+                  cache.scalar_type() == kv.scalar_type(), "q, kv, c and the cache share a dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(), "rotary tables must be contiguous fp32");
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong && slot_blocks.is_contiguous() &&
+                  slot_offsets.is_contiguous() && seq_lens.is_contiguous(), "slots and lengths must be int64");
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2) - nope, lora = c.size(1);
+  const int64_t bs = cache.size(1), W = cache.size(2), num_blocks = cache.size(0), P = cos.size(0);
+  TORCH_CHECK(R > 0 && R % 2 == 0 && cos.size(1) == R && sin.size(1) == R, "rope width mismatch");
+  TORCH_CHECK(W == lora + R && kv.size(1) == W && kv.size(0) == B && c.size(0) == B, "latent width mismatch");
+  TORCH_CHECK(slot_blocks.numel() == B && slot_offsets.numel() == B && seq_lens.numel() == B, "one slot a row");
+  const int64_t* sb = slot_blocks.data_ptr<int64_t>();
+  const int64_t* so = slot_offsets.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sb[b] >= 0 && sb[b] < num_blocks && so[b] >= 0 && so[b] < bs, "slot out of range");
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= P, "position out of the rotary table");
+  }
+  auto q_pe = at::empty({B, H, R}, q.options().dtype(at::kFloat));
+  const float* ct = cos.data_ptr<float>();
+  const float* st = sin.data_ptr<float>();
+  float* qo = q_pe.data_ptr<float>();
+  const int64_t half = R / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, kv.scalar_type(), "mla_rope_decode", [&] {
+    using T = scalar_t;
+    const T* qp = q.data_ptr<T>();
+    const T* kp = kv.data_ptr<T>();
+    const T* cp = c.data_ptr<T>();
+    T* cache_p = cache.data_ptr<T>();
+    // x: one rope part, pairs interleaved; out[j] = x[2j] cos[j] - x[2j+1] sin[j],
+    // out[half + j] = x[2j+1] cos[half + j] + x[2j] sin[half + j] (NeoX on the de-interleaved x).
+    const auto rotate = [&](const T* x, const float* cs, const float* sn, auto&& put) {
+      for (int64_t j = 0; j < half; ++j) {
+        const float even = f32(x[2 * j]), odd = f32(x[2 * j + 1]);
+        put(j, even * cs[j] - odd * sn[j]);
+        put(half + j, odd * cs[half + j] + even * sn[half + j]);
+      }
+    };
+    for (int64_t b = 0; b < B; ++b) {
+      const float* cs = ct + (lens[b] - 1) * R;
+      const float* sn = st + (lens[b] - 1) * R;
+      for (int64_t h = 0; h < H; ++h) {
+        float* o = qo + (b * H + h) * R;
+        rotate(qp + b * q.stride(0) + h * q.stride(1) + nope, cs, sn, [&](int64_t i, float v) { o[i] = v; });
+      }
+      T* slot = cache_p + (sb[b] * bs + so[b]) * W;
+      std::memcpy(slot, cp + b * lora, lora * sizeof(T));
+      rotate(kp + b * kv.stride(0) + lora, cs, sn, [&](int64_t i, float v) { slot[lora + i] = from_f32<T>(v); });
+    }
+  });
+  return q_pe;
+}
+
 at::Tensor mla_decode_attention(const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q_lat.dim() == 3 && q_lat.is_contiguous() && q_lat.scalar_type() == at::kFloat,
@@ -2178,6 +2248,9 @@ TORCH_LIBRARY(dsinfer, m) {
       "rope_write_prefill(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_blocks, Tensor slot_offsets, int num_heads, int num_kv_heads) -> Tensor");
   m.def(
+      "mla_rope_decode(Tensor q, Tensor kv, Tensor c, Tensor cos, Tensor sin, Tensor(a!) cache, "
+      "Tensor slot_blocks, Tensor slot_offsets, Tensor seq_lens, int nope) -> Tensor");
+  m.def(
       "mla_decode_attention(Tensor q_lat, Tensor q_pe, Tensor cache, Tensor block_tables, "
       "Tensor seq_lens, float scale) -> Tensor");
   m.def("mla_projections_supported(int lora) -> bool");
@@ -2208,6 +2281,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("softmax_top_candidates", &softmax_top_candidates);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("sample_full_rows", &sample_full_rows);
+  m.impl("mla_rope_decode", &mla_rope_decode);
   m.impl("mla_decode_attention", &mla_decode_attention);
   m.impl("mla_absorb_query", &mla_absorb_query);
   m.impl("mla_expand_output", &mla_expand_output);
