@@ -138,11 +138,9 @@ class FusedCpuMLAAttention(MLAPagedAttention):
 
     def _reads_kv_b(self, kv_b: torch.Tensor) -> bool:
         """Whether the projection kernels take this weight as it is."""
-        return (
-            kv_b.dtype in _KERNEL_DTYPES
-            and kv_b.is_contiguous()
-            and torch.ops.dsinfer.mla_projections_supported(self.lora)
-        )
+        if not hasattr(self, "_lora_supported"):  # a property of the build: asked once
+            self._lora_supported = bool(torch.ops.dsinfer.mla_projections_supported(self.lora))
+        return kv_b.dtype in _KERNEL_DTYPES and kv_b.is_contiguous() and self._lora_supported
 
     def _split_kv_b(self, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # No fp32 copy kept: decode reads kv_b itself, and a prefill chunk widens it for its
