@@ -4,8 +4,9 @@ MHA: for each decode row the kernel rotates q and k (fp32, from the whole rotary
 k and v into the paged cache and attends over the sequence's cached tokens through its block
 table: no gathered copies, no masks, no dtype round trips.
 
-MLA: the absorbed decode attends in latent space straight from the paged latent cache (one
-kernel for the batch's decode rows); the two per-head projections around it (into latent space
+MLA: a decode-only step rotates q's and k's rope parts and writes the latent into the cache in
+one kernel; the absorbed decode attends in latent space straight from the paged latent cache
+(one kernel for the batch's decode rows); the two per-head projections around it (into latent space
 through W_UK, back through W_UV) read kv_b_proj's weight in its own dtype with fp32 sums (one
 kernel each; the reference's einsums multiply an fp32 copy: twice the bytes).
 

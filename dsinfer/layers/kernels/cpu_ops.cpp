@@ -1075,14 +1075,6 @@ bool mla_blocked(const float* q, int64_t nh, int64_t W, int64_t L, int64_t len, 
   return false;
 }
 
-// MLA's absorbed decode over the paged latent cache, one decode token per sequence. The query
-// is already in latent space (q_nope · W_UK, done by the caller as one batched GEMM), so a
-// head's score against a cached token is q_lat · c + q_pe · k_pe and its output is the
-// probability-weighted sum of the latents c (the caller applies W_UV). Each task serves a group
-// of heads of one sequence and reads that sequence's cached latents once through its block
-// table: no gathered copy of the context, no padding mask, fp32 throughout.
-//   q_lat [B, H, L] fp32; q_pe [B, H, R] fp32; cache [blocks, block_size, L + R];
-//   block_tables [B, >= ceil(seq_len / block_size)] int64; seq_lens [B] int64 -> [B, H, L] fp32.
 // MLA decode rows before attention: DeepSeek checkpoints store the rope part of q and k with
 // its pairs interleaved (2j, 2j + 1); read them as (evens | odds) and rotate at position
 // seq_len - 1 in fp32 from the whole table; write the token's latent (c | rotated k_pe) into
@@ -1153,6 +1145,14 @@ at::Tensor mla_rope_decode(const at::Tensor& q, const at::Tensor& kv, const at::
   return q_pe;
 }
 
+// MLA's absorbed decode over the paged latent cache, one decode token per sequence. The query
+// is already in latent space (q_nope · W_UK, done by the caller as one batched GEMM), so a
+// head's score against a cached token is q_lat · c + q_pe · k_pe and its output is the
+// probability-weighted sum of the latents c (the caller applies W_UV). Each task serves a group
+// of heads of one sequence and reads that sequence's cached latents once through its block
+// table: no gathered copy of the context, no padding mask, fp32 throughout.
+//   q_lat [B, H, L] fp32; q_pe [B, H, R] fp32; cache [blocks, block_size, L + R];
+//   block_tables [B, >= ceil(seq_len / block_size)] int64; seq_lens [B] int64 -> [B, H, L] fp32.
 at::Tensor mla_decode_attention(const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& cache,
                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q_lat.dim() == 3 && q_lat.is_contiguous() && q_lat.scalar_type() == at::kFloat,
@@ -1342,7 +1342,7 @@ at::Tensor mla_absorb_query(const at::Tensor& q_nope, const at::Tensor& kv_b, in
           float* o = op + (b0 * H + h) * lora;
           // Lanes a pass by rows, 16 accumulators either way: few rows take 128 lanes (256
           // contiguous bytes of each bf16 weight row a pass, eight independent FMA chains; with
-          // 32 lanes a batch-1 pass waited on two chains and read 64 bytes a row: 94 → ~45
+          // 32 lanes a batch-1 pass waited on two chains and read 64 bytes a row: 94 → 51-56
           // µs a V2-Lite layer). Each lane still sums over n in order: the same result.
           constexpr int VB = M <= 2 ? 8 : (M <= 4 ? 4 : 2);
           int64_t l0 = 0;
