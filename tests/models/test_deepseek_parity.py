@@ -13,7 +13,10 @@ from tests.helpers import (
     VOCAB,
     assert_batched_greedy_matches,
     assert_logits_match,
+    assert_pool_clean,
+    hf_greedy,
     save_and_load,
+    tokens_match_up_to_near_tie,
 )
 
 PARAMS = [(case, backend) for case in sorted(CASES) for backend in ("reference", "fused")]
@@ -85,3 +88,27 @@ def test_kv_cache_keeps_only_the_latent(tiny):
     assert llm.engine.kv_bytes_per_token == cfg.num_layers * (16 + 8) * 4
     cache = llm.engine.executor.runner.kv_caches[0]
     assert len(cache) == 1 and cache[0].shape[1:] == (4, 24)
+
+
+def test_preemption_and_prefix_cache_hits_keep_the_reference_tokens(tiny, tmp_path):
+    """A pool so small that requests are preempted and recomputed, prefill in chunks of 8, and
+    prompts sharing a prefix run twice (cache hits): greedy tokens stay the reference's, on
+    both backends (the fused one writes decode latents with its own kernel, which a prefix hit
+    or a recomputation then reads)."""
+    llm, ref = tiny
+    small = save_and_load(
+        ref, tmp_path, llm.engine.config.backend, num_blocks=14, max_num_batched_tokens=8
+    )
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, VOCAB, (12,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (3, 9, 5, 14)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cached = 0
+    for attempt in range(2):
+        outs = small.generate([{"prompt_token_ids": p} for p in prompts], params)
+        cached += sum(o.metrics.num_cached_tokens for o in outs)
+        for p, out in zip(prompts, outs, strict=True):
+            want, logits = hf_greedy(ref, p, 16)
+            assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits), attempt
+    assert small.engine.scheduler.num_preemptions > 0 and cached > 0
+    assert_pool_clean(small.engine)
