@@ -25,7 +25,7 @@ from dsinfer.artifact.reader import TOKENIZER_DIR
 from dsinfer.artifact.signing import sign_dir
 from dsinfer.artifact.weights_io import save_weights
 from dsinfer.config import QUANTISED_SCHEMES, parse_dtype
-from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, quantize_model
+from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, int4_pack_layout, quantize_model
 from dsinfer.models.loader import LoadedModel, load_model, resolve_model_path
 from dsinfer.progress import progress
 from dsinfer.tokenizer import load_tokenizer
@@ -95,6 +95,9 @@ def _write_contents(
         "scheme": opts.quant,
         "group_size": opts.group_size if opts.quant == "int4" else 0,
         "dtype": str(dtype).removeprefix("torch."),
+        # How torch packed the int4 bytes here (it packs by CPU capability): a process whose
+        # torch packs otherwise converts them at load, or refuses them.
+        **({"int4_layout": int4_pack_layout()} if opts.quant == "int4" else {}),
         "layer_formats": exceptions,  # layers not in `scheme`: int8 or float
         "tied": tied,
         "source": Path(src).name,

@@ -15,7 +15,7 @@ from dsinfer.artifact.verify import TrustPolicy, verify_artifact
 from dsinfer.artifact.weights_io import mmap_weights
 from dsinfer.config import parse_dtype
 from dsinfer.distributed.parallel_state import parallel_state
-from dsinfer.layers.quant import prepare_quantized
+from dsinfer.layers.quant import BLOCKS64, int4_to_this_layout, prepare_quantized
 from dsinfer.models.loader import LoadedModel, build_model
 from dsinfer.models.stages import skip_other_stage
 
@@ -44,6 +44,8 @@ def load_artifact(root: str | Path, policy: TrustPolicy, device: str = "cpu") ->
     except ValueError as e:
         raise ArtifactError(f"{root}: {e}; or compile another artifact for {device}") from None
     tensors = _read_tensors(root, manifest, device)
+    if quant["scheme"] == "int4":
+        _int4_in_this_layout(root, tensors, quant.get("int4_layout", BLOCKS64))
     if parallel_state().world > 1:
         missing, unexpected = assign_rank_parts(net, tensors)
     else:
@@ -100,6 +102,18 @@ def assign_rank_parts(
         and not skip_other_stage(n, num_layers)
     ]
     return missing, unexpected
+
+
+def _int4_in_this_layout(root: Path, tensors: dict[str, torch.Tensor], layout: str) -> None:
+    """The artifact's packed int4 tensors in the layout this process's torch packs (the same
+    as the artifact's on the machines it was compiled on: nothing is copied then). Artifacts
+    from before the layout was recorded were packed in 64-row blocks (AVX-512 builds)."""
+    for name, t in tensors.items():
+        if t.dtype == torch.uint8 and name.endswith((".qweight", ".q13", ".q2")):
+            try:
+                tensors[name] = int4_to_this_layout(t, layout)
+            except ValueError as e:
+                raise ArtifactError(f"{root}: {name}: {e}") from None
 
 
 def _read_tensors(root: Path, manifest: Manifest, device: str) -> dict[str, torch.Tensor]:

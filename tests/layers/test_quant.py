@@ -181,6 +181,20 @@ def test_int4_codes_unpack_and_pack_as_torch_does() -> None:
         int4pack_codes(int4pack_from_codes(codes[:, :48]))
 
 
+def test_the_64_row_block_layout_is_what_this_torch_writes() -> None:
+    """Our reading of torch's AVX-512 int4 layout (what artifacts store, what our kernels read)
+    is exact: packing and unpacking invert each other, and where torch reports this layout
+    (the project's machines) its own packing gives the same bytes."""
+    from dsinfer.layers.quant import BLOCKS64, int4_pack_layout, pack_blocks64, unpack_blocks64
+
+    codes = torch.randint(0, 16, (2, 192, 64), generator=torch.Generator().manual_seed(6))
+    packed = pack_blocks64(codes)
+    assert torch.equal(unpack_blocks64(packed), codes.to(torch.uint8))
+    torch_packed = torch._convert_weight_to_int4pack_for_cpu(codes[0].int(), 1)
+    assert torch.equal(torch_packed, packed[0]) == (int4_pack_layout() == BLOCKS64)
+    assert int4_pack_layout() == BLOCKS64  # AVX-512 here and in CI: the fast path is tested
+
+
 @pytest.mark.parametrize("kernels_name", ["reference", "fused"])
 def test_int4_experts_multiply_as_int4_linears_do(kernels_name: str) -> None:
     """Each expert of an int4 stack gives exactly what an int4 Linear with the same weight
