@@ -139,9 +139,9 @@ def unpack_blocks64(packed: torch.Tensor) -> torch.Tensor:
     *lead, o, half = packed.shape
     if o % 64:
         raise ValueError(
-            f"an int4 weight of {o} output rows (not a multiple of 64) cannot be unpacked from "
-            "torch's 64-row blocks: serve it in one process on an AVX-512 machine, or compile an "
-            "int8 artifact"
+            f"an int4 weight of {o} output rows (not a multiple of 64) cannot be cut for tensor "
+            "parallelism or unpacked from torch's 64-row blocks: serve it in one process on a "
+            "machine like the one it was compiled on, or compile an int8 artifact"
         )
     k = 2 * half
     blocks = packed.reshape(*lead, o // 64, k, 32)  # [..., O/64, K, 32]
