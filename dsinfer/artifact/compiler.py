@@ -25,7 +25,8 @@ from dsinfer.artifact.reader import TOKENIZER_DIR
 from dsinfer.artifact.signing import sign_dir
 from dsinfer.artifact.weights_io import save_weights
 from dsinfer.config import QUANTISED_SCHEMES, parse_dtype
-from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, int4_pack_layout, quantize_model
+from dsinfer.layers.int4_pack import int4_pack_layout
+from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, quantize_model
 from dsinfer.models.loader import LoadedModel, load_model, resolve_model_path
 from dsinfer.progress import progress
 from dsinfer.tokenizer import load_tokenizer

@@ -15,7 +15,8 @@ from dsinfer.artifact.verify import TrustPolicy, verify_artifact
 from dsinfer.artifact.weights_io import mmap_weights
 from dsinfer.config import parse_dtype
 from dsinfer.distributed.parallel_state import parallel_state
-from dsinfer.layers.quant import BLOCKS64, int4_to_this_layout, prepare_quantized
+from dsinfer.layers.int4_pack import BLOCKS64, int4_to_this_layout
+from dsinfer.layers.quant import prepare_quantized
 from dsinfer.models.loader import LoadedModel, build_model
 from dsinfer.models.stages import skip_other_stage
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import json, sys
 from dsinfer import LLM
-from dsinfer.layers.quant import int4_pack_layout
+from dsinfer.layers.int4_pack import int4_pack_layout
 from tests.helpers import full_logits
 llm = LLM(sys.argv[1], backend="reference", num_blocks=16, block_size=4)
 logits = full_logits(llm.engine, [1, 5, 9, 33, 7, 120])

@@ -169,7 +169,7 @@ def test_experts_take_int4_where_the_kernel_takes_their_shapes() -> None:
 
 
 def test_int4_codes_unpack_and_pack_as_torch_does() -> None:
-    from dsinfer.layers.quant import int4pack_codes, int4pack_from_codes
+    from dsinfer.layers.int4_pack import int4pack_codes, int4pack_from_codes
 
     torch.manual_seed(5)
     codes = torch.randint(0, 16, (3, 128, 96), dtype=torch.uint8)  # [E, O, K]
@@ -185,7 +185,12 @@ def test_the_64_row_block_layout_is_what_this_torch_writes() -> None:
     """Our reading of torch's AVX-512 int4 layout (what artifacts store, what our kernels read)
     is exact: packing and unpacking invert each other, and where torch reports this layout
     (the project's machines) its own packing gives the same bytes."""
-    from dsinfer.layers.quant import BLOCKS64, int4_pack_layout, pack_blocks64, unpack_blocks64
+    from dsinfer.layers.int4_pack import (
+        BLOCKS64,
+        int4_pack_layout,
+        pack_blocks64,
+        unpack_blocks64,
+    )
 
     codes = torch.randint(0, 16, (2, 192, 64), generator=torch.Generator().manual_seed(6))
     packed = pack_blocks64(codes)
