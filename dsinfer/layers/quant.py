@@ -463,7 +463,7 @@ class Int4ExpertsMethod(ExpertsMethod):
         return int4pack_from_codes(part) if name.startswith("q") else part
 
     def use_kernels(self, experts: nn.Module, kernels_name: str, device_type: str) -> None:
-        shapes = [experts.q13.shape[1], experts.q2.shape[1]]  # both stacks' output rows
+        shapes = [2 * experts.intermediate, experts.hidden]  # both stacks' output rows
         ok = (
             _fused_cpu(kernels_name, device_type)
             and all(o % 64 == 0 for o in shapes)
