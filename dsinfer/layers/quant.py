@@ -60,6 +60,22 @@ def _fused_cpu(kernels_name: str, device_type: str) -> bool:
     return kernels_name == "fused" and device_type == "cpu"
 
 
+def _int4_kernels(
+    kernels_name: str, device_type: str, out_rows: list[int], group_size: int
+) -> tuple[int, bool]:
+    """The fused backend's choice for int4 weights of these output row counts (a Linear, or
+    both stacks of the routed experts): (rows from which to widen for a dense GEMM, 0: never;
+    whether to repack for the int4 × int8 VNNI kernel)."""
+    ok = (
+        _fused_cpu(kernels_name, device_type)
+        and all(o % 64 == 0 for o in out_rows)
+        and int4_pack_layout() == BLOCKS64  # what our widening and repacking read
+        and torch.ops.dsinfer.int4_dense_supported()
+    )
+    repack = ok and group_size == 32 and torch.ops.dsinfer.int4_vnni_supported()
+    return (_INT4_DENSE_FROM_ROWS if ok else 0), repack
+
+
 def int8_mm(
     flat: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, fused: bool = False
 ) -> torch.Tensor:
@@ -292,14 +308,10 @@ class Int4LinearMethod(LinearMethod):
         self.vnni = False  # fused backend: the weight is repacked for int4_vnni_linear
 
     def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
-        ok = (
-            _fused_cpu(kernels_name, device_type)
-            and layer.out_features % 64 == 0
-            and int4_pack_layout() == BLOCKS64  # what our widening and repacking read
-            and torch.ops.dsinfer.int4_dense_supported()
+        self.dense_rows, repack = _int4_kernels(
+            kernels_name, device_type, [layer.out_features], self.group_size
         )
-        self.dense_rows = _INT4_DENSE_FROM_ROWS if ok else 0
-        if ok and self.group_size == 32 and torch.ops.dsinfer.int4_vnni_supported():
+        if repack:
             self._repack_for_vnni(layer)
 
     def _repack_for_vnni(self, layer: nn.Module) -> None:
@@ -463,15 +475,11 @@ class Int4ExpertsMethod(ExpertsMethod):
         return int4pack_from_codes(part) if name.startswith("q") else part
 
     def use_kernels(self, experts: nn.Module, kernels_name: str, device_type: str) -> None:
-        shapes = [2 * experts.intermediate, experts.hidden]  # both stacks' output rows
-        ok = (
-            _fused_cpu(kernels_name, device_type)
-            and all(o % 64 == 0 for o in shapes)
-            and int4_pack_layout() == BLOCKS64  # what our widening and repacking read
-            and torch.ops.dsinfer.int4_dense_supported()
+        out_rows = [2 * experts.intermediate, experts.hidden]  # both stacks' output rows
+        self.dense_rows, repack = _int4_kernels(
+            kernels_name, device_type, out_rows, self.group_size
         )
-        self.dense_rows = _INT4_DENSE_FROM_ROWS if ok else 0
-        if ok and self.group_size == 32 and torch.ops.dsinfer.int4_vnni_supported():
+        if repack:
             self._repack_for_vnni(experts)
 
     def _repack_for_vnni(self, experts: nn.Module) -> None:
