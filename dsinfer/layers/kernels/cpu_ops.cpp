@@ -663,6 +663,20 @@ inline void rope_row_bf16(const c10::BFloat16* x, const c10::BFloat16* c, const 
   }
 }
 
+// The cache slot of each of `rows` tokens (block, offset within it), checked before a kernel
+// writes there: int64 [rows] each, inside a pool of num_blocks blocks of bs tokens.
+void check_slots(const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, int64_t rows,
+                 int64_t num_blocks, int64_t bs) {
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
+                  slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_blocks.numel() == rows &&
+                  slot_offsets.numel() == rows, "slots must be int64 [T]");
+  const int64_t* sb = slot_blocks.data_ptr<int64_t>();
+  const int64_t* so = slot_offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK(sb[t] >= 0 && sb[t] < num_blocks && so[t] >= 0 && so[t] < bs, "slot out of range");
+  }
+}
+
 at::Tensor rope_write_prefill(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                               const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets,
@@ -678,14 +692,9 @@ at::Tensor rope_write_prefill(const at::Tensor& qkv, const at::Tensor& cos, cons
   TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
               "cos and sin must be the step's contiguous bf16 rows [T, D]");
-  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
-                  slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_blocks.numel() == T &&
-                  slot_offsets.numel() == T, "slots must be int64 [T]");
+  check_slots(slot_blocks, slot_offsets, T, num_blocks, bs);
   const int64_t* sb = slot_blocks.data_ptr<int64_t>();
   const int64_t* so = slot_offsets.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(sb[t] >= 0 && sb[t] < num_blocks && so[t] >= 0 && so[t] < bs, "slot out of range");
-  }
   auto out = at::empty({T, H + KV, D}, qkv.options());
   const auto* xp = qkv.data_ptr<c10::BFloat16>();
   const auto* cp = cos.data_ptr<c10::BFloat16>();
@@ -1095,19 +1104,17 @@ at::Tensor mla_rope_decode(const at::Tensor& q, const at::Tensor& kv, const at::
                   cache.scalar_type() == kv.scalar_type(), "q, kv, c and the cache share a dtype");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous(), "rotary tables must be contiguous fp32");
-  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
-                  seq_lens.scalar_type() == at::kLong && slot_blocks.is_contiguous() &&
-                  slot_offsets.is_contiguous() && seq_lens.is_contiguous(), "slots and lengths must be int64");
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2) - nope, lora = c.size(1);
   const int64_t bs = cache.size(1), W = cache.size(2), num_blocks = cache.size(0), P = cos.size(0);
   TORCH_CHECK(R > 0 && R % 2 == 0 && cos.size(1) == R && sin.size(1) == R, "rope width mismatch");
   TORCH_CHECK(W == lora + R && kv.size(1) == W && kv.size(0) == B && c.size(0) == B, "latent width mismatch");
-  TORCH_CHECK(slot_blocks.numel() == B && slot_offsets.numel() == B && seq_lens.numel() == B, "one slot a row");
+  check_slots(slot_blocks, slot_offsets, B, num_blocks, bs);
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == B,
+              "seq_lens must be int64 [B]");
   const int64_t* sb = slot_blocks.data_ptr<int64_t>();
   const int64_t* so = slot_offsets.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(sb[b] >= 0 && sb[b] < num_blocks && so[b] >= 0 && so[b] < bs, "slot out of range");
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= P, "position out of the rotary table");
   }
   auto q_pe = at::empty({B, H, R}, q.options().dtype(at::kFloat));
