@@ -124,14 +124,6 @@ def int4_mm(
     return torch._weight_int4pack_mm_for_cpu(flat, qweight, group_size, scales_zeros)
 
 
-def int4_vnni_repack(
-    qweight: torch.Tensor, group_size: int, scales_zeros: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's packed int4 [out, in / 2] and scales_zeros → our kernels' layout: codes
-    [O/16, K/8, 64], scales|zeros [O/16, G, 2, 16] bf16 (the same values)."""
-    return torch.ops.dsinfer.int4_vnni_pack(qweight, group_size, scales_zeros)
-
-
 # -- the registry: (scheme, device type) → method ------------------------------------------------
 _LINEAR_METHODS: dict[tuple[str, str], type[LinearMethod]] = {}
 _EXPERTS_METHODS: dict[tuple[str, str], type[ExpertsMethod]] = {}
@@ -319,7 +311,9 @@ class Int4LinearMethod(LinearMethod):
         layout (same bytes), once; the torch-layout tensors are dropped, not kept beside it."""
         if self.vnni:
             return
-        codes, sz = int4_vnni_repack(layer.qweight.data, self.group_size, layer.scales_zeros.data)
+        codes, sz = torch.ops.dsinfer.int4_vnni_pack(
+            layer.qweight.data, self.group_size, layer.scales_zeros.data
+        )
         layer.qweight = nn.Parameter(codes, requires_grad=False)  # [O/16, K/8, 64]
         layer.scales_zeros = nn.Parameter(sz, requires_grad=False)  # [O/16, G, 2, 16] bf16
         self.vnni = True
@@ -489,7 +483,8 @@ class Int4ExpertsMethod(ExpertsMethod):
             return
         for which in ("13", "2"):
             q, sz = getattr(experts, f"q{which}").data, getattr(experts, f"sz{which}").data
-            parts = [int4_vnni_repack(q[e], self.group_size, sz[e]) for e in range(q.shape[0])]
+            pack = torch.ops.dsinfer.int4_vnni_pack
+            parts = [pack(q[e], self.group_size, sz[e]) for e in range(q.shape[0])]
             for name, i in ((f"q{which}", 0), (f"sz{which}", 1)):
                 stacked = torch.stack([p[i] for p in parts])
                 setattr(experts, name, nn.Parameter(stacked, requires_grad=False))
