@@ -112,11 +112,13 @@ def int4_mm(
     our kernels) → [M, out], kernel by rows (dense_rows 0: never widen)."""
     many = dense_rows and flat.shape[0] >= dense_rows and flat.dtype == torch.bfloat16
     if vnni:
-        # Few rows: int4 × int8 dot products (activations quantised per group of 32, as
-        # llama.cpp does); many rows: the weight widened to bf16 for one dense GEMM.
+        # Few rows: the codes widened in registers and multiplied with the activations' own
+        # bf16 values (int4_bf16_linear; llama.cpp's int8 activations cost +1.9% perplexity on
+        # a 2,000-token text: docs/backends.md); many rows: the weight widened to bf16 for one
+        # dense GEMM.
         if many:
             return flat @ torch.ops.dsinfer.int4_vnni_dequantize_t(qweight, scales_zeros)
-        return torch.ops.dsinfer.int4_vnni_linear(flat, qweight, scales_zeros)
+        return torch.ops.dsinfer.int4_bf16_linear(flat, qweight, scales_zeros)
     if many:
         # Many rows (a prefill chunk): the packed kernel's time grows with every row, a dense
         # GEMM's barely; the widened weight [in, out] lives for this call only.

@@ -5,17 +5,22 @@ itself only as exact as bf16 allows: its own decode and prefill paths differ by 
 logit of ~30 (measured), so the fused path is held to twice that disagreement — a broken kernel
 is off by whole units — and to the greedy text and the perplexity.
 
-int4 on the fused backend is another arithmetic, on purpose: its projections multiply the int4
-codes with activations quantised to int8 per group of 32 (llama.cpp's way; +12% at batch 16).
-Its logits differ from the reference's by ~0.6 on average and up to ~3
-(measured on these prompts), so it is held to the issue's quality gate instead: perplexity
-within 0.5% of the reference's, greedy text identical up to near-ties, and logits within
-mean 1.0 / max 4.0 (a wrong code, scale or group is off by far more).
+int4 on the fused backend multiplies the codes with the activations as they are (bf16, fp32
+sums), without the reference's bf16 rounding of each dequantised weight; its LM head (int8
+under int4) quantises the activations to int8 per group of 32. Its logits differ from the
+reference's by 0.12-0.20 on average and up to 1.1 (measured on these prompts; ~0.6 and up to ~3
+with the int8 activations of the int4 projections until session 15), so it is held to the
+issue's quality gate: perplexity within 0.5% of the reference's — a short text's as a prompt,
+and a ~1,400-token text's fed a token a step (the decode kernels; int8 activations were +1.0%
+off there, 28.82 → 29.12, and had passed the short text by chance; these are −0.1%) — greedy
+text identical up to near-ties, and logits within mean 0.5 / max 2.5 (a wrong code, scale or
+group is off by far more).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +28,9 @@ import torch
 from dsinfer import LLM, SamplingParams
 from tests.conftest import PROMPTS
 from tests.helpers import PPL_TEXT, decode_logits, full_logits, tokens_match_up_to_near_tie
+
+# ~1,500 tokens of plain English prose written for this test.
+LONG_TEXT = Path(__file__).parents[1] / "data" / "long_text.txt"
 
 
 def test_default_engine_runs_the_fused_backend(smol_llm, smol_llm_reference):
@@ -91,19 +99,21 @@ def test_bf16_fused_within_the_references_own_noise(quantization: str):
             want = decode_logits(ref.engine, ids)
             noise = (want - full_logits(ref.engine, ids)).abs().max().item()
             diff = (decode_logits(fused.engine, ids) - want).abs()
-        if quantization == "int4":  # int8 activations (module docstring)
-            assert diff.mean().item() <= 1.0 and diff.max().item() <= 4.0, (prompt, diff.max())
+        if quantization == "int4":  # unrounded weights, int8 LM-head activations (docstring)
+            assert diff.mean().item() <= 0.5 and diff.max().item() <= 2.5, (prompt, diff.max())
         else:
             assert diff.max().item() <= 2 * noise + 0.1, (prompt, diff.max().item(), noise)
     ids = ref.tokenizer.encode(PPL_TEXT)
     p_ref, p_fused = _perplexity(ref, ids), _perplexity(fused, ids)
     assert abs(p_fused - p_ref) / p_ref < 0.005, (p_fused, p_ref)
-    # The same text fed one token a step: decode rows take other kernels (the LM head's int8
-    # × int8 one among them, where a prompt's many rows take a dense GEMM). Held to the
-    # reference's prompt perplexity: the reference's own bf16 decode path is the least exact
-    # measurement (unquantised: 7.815 against its prompt's 7.908, and ours 7.906).
-    p_decode = _decode_perplexity(fused, ids)
-    assert abs(p_decode - p_ref) / p_ref < 0.005, (p_decode, p_ref)
+    # A long text fed one token a step: decode rows take other kernels (the LM head's int8
+    # × int8 one among them, where a prompt's many rows take a dense GEMM), held to the
+    # reference's own decode path. The short text is no measure here: fed a token a step, bf16
+    # rounding alone moves its perplexity by ~1% (the reference's decode against its prompt:
+    # unquantised 7.815 against 7.908).
+    long_ids = ref.tokenizer.encode(LONG_TEXT.read_text())
+    p_ref, p_fused = _decode_perplexity(ref, long_ids), _decode_perplexity(fused, long_ids)
+    assert abs(p_fused - p_ref) / p_ref < 0.005, (p_fused, p_ref)
     ours, theirs = _greedy(fused, PROMPTS[:3], 24), _greedy(ref, PROMPTS[:3], 24)
     for prompt, a, b in zip(PROMPTS[:3], ours, theirs, strict=True):
         ids = ref.tokenizer.encode(prompt)

@@ -1529,14 +1529,14 @@ at::Tensor int4_dequantize_t(const at::Tensor& qweight, int64_t group, const at:
   return out;
 }
 
-// ---- int4 × int8 dot products (AVX512-VNNI), llama.cpp's way ---------------------------
-// torch's packed int4 kernel widens every code to fp32, per activation row (its time grows
-// with the rows). Here activations are quantised to int8 per group of 32
-// (scale max|x| / 127, as llama.cpp's Q8 blocks), and `vpdpbusd` multiplies four unsigned
-// codes by four signed activations per 32-bit lane. Per group g and output o:
-//   Σ_k w[o,k] x[k] = s[g,o] · dx_g · Σ_k q[o,k] xq[k] + (z[g,o] − 8 s[g,o]) · Σ_k x[k]
-// with the exact fp32 sum of x in the second term. Only the int8 rounding of the activations
-// differs from the reference (≤ 1/254 of a group's largest activation per element).
+// ---- int4 in the repacked ("VNNI") layout ---------------------------------------------------
+// torch's packed int4 kernel widens every code to fp32, per activation row (its time grows with
+// the rows). The fused backend repacks each int4 weight once after loading into a layout its
+// own kernels read 64 bytes at a time: int4_bf16_linear (few rows, below) and
+// int4_vnni_dequantize_t (many rows: widened to bf16 for one dense GEMM). The name is the
+// layout's first user's: an int4 × int8 `vpdpbusd` kernel (llama.cpp's arithmetic, activations
+// quantised per group of 32), replaced in session 15 because its int8 activations cost +1.9%
+// perplexity on long texts.
 //
 // Layout (packed once after loading, int4_vnni_pack): codes [O/16, K/8, 64] uint8 — per
 // block of 16 outputs and 8 inputs, lane l's 4 bytes hold inputs k..k+3 (low nibbles) and
@@ -1611,7 +1611,7 @@ struct QuantizedRows {
     const int64_t M = x.size(0);
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
                 "int8 activations: fp32 or bf16 rows expected");
-    // Rows on all threads (the int4 kernel takes up to 47 rows, the int8 head up to 64).
+    // Rows on all threads (the int8 head takes up to 64).
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const void* xp = x.data_ptr();
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -1628,7 +1628,7 @@ struct QuantizedRows {
   float* row_s(int64_t m) { return s.data() + m * G; }
 };
 
-// The loop both VNNI kernels share: every block of 16 outputs, every chunk of rows (the
+// The loop the int8 × int8 and int4 × bf16 kernels share: every block of 16 outputs, every chunk of rows (the
 // block's weights stay in cache for all of them). block(ob, m0, rows, tile) fills
 // tile[rows][16]; store(m, ob, t) writes row m's 16 outputs of block ob from t[16].
 template <int Wide = 4, typename Block, typename Store>
@@ -1655,74 +1655,149 @@ inline void store_row16(T* dst, const float* v) {
 
 inline __m512 load_bf16x16(const c10::BFloat16* p) { return load16(p); }
 
-// 16 outputs (block ob) for M rows: out[m][16].
-template <int M>
-inline void vnni_block(const uint8_t* codes, const c10::BFloat16* sz, int64_t K, const int8_t* xq,
-                       const float* dx, const float* sx, float* out) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
+#endif
+
+// ---- int4 × bf16 dot products (AVX512-BF16): the activations as they are ------------------
+// int8 activations (the int4 × int8 kernel this replaced, llama.cpp's way) cost perplexity:
+// +1.9% on a 2,000-token text fed one token a step (SmolLM2: the reference 84.86, int8
+// activations 86.36, this kernel 84.73), past the 0.5% gate. Here the codes become bf16 in
+// registers and `vdpbf16ps` multiplies them with the activations' own bf16 values (exact
+// products, fp32 sums): the reference's arithmetic without its bf16 rounding of each
+// dequantised weight. A code q becomes bf16(128 + q) by one bit operation (0x4300 | q: 128..143
+// are exact in bf16's 8 significant bits), so per group g and output o:
+//   Σ_k w[o,k] x[k] = s[g,o] · Σ_k (128 + q[o,k]) x[k] + (z[g,o] − 136 s[g,o]) · Σ_k x[k]
+// with Σ_k x[k] the sum of the very bf16 values multiplied (fp32 activations are split into
+// two bf16 terms, hi + lo, ~16 significant bits). In the packed layout above lane l of a
+// 64-byte chunk holds inputs k..k+3 (low nibbles) and k+4..k+7 (high nibbles) of output l, so
+// the four 16-bit pairs a lane's dword yields are inputs (k, k+2), (k+1, k+3), (k+4, k+6),
+// (k+5, k+7); the activations are laid out once per call in that pair order.
+// Cost: two dot instructions where int8 needed one. SmolLM2's 30 layers, weights streamed,
+// 1 / 16 rows: 1.74 / 7.7 ms against int8's 1.56-1.70 / 5.6.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+// One activation row as bf16 pairs in the codes' order (K / 2 dwords a term) and the exact
+// fp32 sum of each group of 32 of the values multiplied.
+struct Bf16PairRows {
+  int64_t K, G, T;  // T: bf16 terms a row (1 for bf16 activations, 2 for fp32: hi + lo)
+  std::vector<uint32_t> pairs;
+  std::vector<float> sums;
+
+  explicit Bf16PairRows(const at::Tensor& x)
+      : K(x.size(1)), G(x.size(1) / 32), T(x.scalar_type() == at::kBFloat16 ? 1 : 2),
+        pairs(x.size(0) * T * x.size(1) / 2), sums(x.size(0) * G) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                "int4_bf16_linear: fp32 or bf16 rows expected");
+    const int64_t M = x.size(0);
+    const void* xp = x.data_ptr();
+    const bool bf16 = T == 1;
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      std::vector<uint16_t> terms(T * K);
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t k = 0; k < K; ++k) {
+          if (bf16) {
+            terms[k] = static_cast<const c10::BFloat16*>(xp)[m * K + k].x;
+          } else {
+            const float v = static_cast<const float*>(xp)[m * K + k];
+            const c10::BFloat16 hi(v);
+            const c10::BFloat16 lo(v - static_cast<float>(hi));
+            terms[k] = hi.x;
+            terms[K + k] = lo.x;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float s = 0.f;
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < 32; ++j) s += c10::detail::f32_from_bits(terms[t * K + g * 32 + j]);
+          sums[m * G + g] = s;
+        }
+        static constexpr int kPair[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
+        for (int64_t t = 0; t < T; ++t) {
+          uint32_t* out = row(m, t);
+          for (int64_t c = 0; c < K / 8; ++c)
+            for (int p = 0; p < 4; ++p)
+              out[c * 4 + p] = uint32_t(terms[t * K + c * 8 + kPair[p][0]]) |
+                               (uint32_t(terms[t * K + c * 8 + kPair[p][1]]) << 16);
+        }
+      }
+    });
+  }
+  const uint32_t* row(int64_t m, int64_t t) const { return pairs.data() + (m * T + t) * (K / 2); }
+  uint32_t* row(int64_t m, int64_t t) { return pairs.data() + (m * T + t) * (K / 2); }
+  const float* row_sums(int64_t m) const { return sums.data() + m * G; }
+};
+
+// 16 outputs (one block) for M rows of T terms: out[m][16].
+template <int M, int T>
+inline void bf16_block(const uint8_t* codes, const c10::BFloat16* sz, int64_t K, const Bf16PairRows& x,
+                       int64_t m0, float* out) {
+  const __m512i mask = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+  // (v & mask) | bias: nibble q → bf16(128 + q) in both halves of each dword (0xEA = A&B | C).
+  const auto widen = [&](__m512i v) { return (__m512bh)_mm512_ternarylogic_epi32(v, mask, bias, 0xEA); };
+  // Two independent sum chains a row (vdpbf16ps waits on its accumulator): pair p goes to
+  // chain p % 2 for every number of rows, so a row sums in the same order in any batch. (Four
+  // chains in chunks of 4 rows: 1.7-2.0 / 9.6 ms for SmolLM2's 30 layers at 1 / 16 rows;
+  // these two in chunks of 8: 1.74 / 7.7.)
+  constexpr int C = 2;
+  const int64_t G = K / 32;
+  const uint32_t* xr[M][T];
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < T; ++t) xr[m][t] = x.row(m0 + m, t);
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const int64_t G = K / 32;
   for (int64_t g = 0; g < G; ++g) {
-    // Two dot chains a row (low and high nibbles) with few rows: one chain of 8 dependent
-    // vpdpbusd a group would stall on their latency. Eight rows are eight chains already, and
-    // one chain a row saves the add and 8 registers (the sums are exact int32 either way).
-    constexpr bool kOneChain = M >= 8;
-    __m512i dot[M], dot_hi[kOneChain ? 1 : M];
-    for (int m = 0; m < M; ++m) dot[m] = _mm512_setzero_si512();
-    if constexpr (!kOneChain)
-      for (int m = 0; m < M; ++m) dot_hi[m] = _mm512_setzero_si512();
+    __m512 dot[M][C];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_ps();
     for (int64_t c = 0; c < 4; ++c) {  // 4 chunks of 8 inputs
       const __m512i v = _mm512_loadu_si512(codes + (g * 4 + c) * 64);
-      const __m512i lo = _mm512_and_si512(v, mask);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-      for (int m = 0; m < M; ++m) {
-        const int8_t* xm = xq + m * K + g * 32 + c * 8;
-        int32_t x0, x1;
-        std::memcpy(&x0, xm, 4);
-        std::memcpy(&x1, xm + 4, 4);
-        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x0));
-        if constexpr (kOneChain)
-          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x1));
-        else
-          dot_hi[m] = _mm512_dpbusd_epi32(dot_hi[m], hi, _mm512_set1_epi32(x1));
-      }
+      const __m512bh w[4] = {widen(v), widen(_mm512_srli_epi32(v, 8)), widen(_mm512_srli_epi32(v, 4)),
+                             widen(_mm512_srli_epi32(v, 12))};
+      for (int m = 0; m < M; ++m)
+        for (int t = 0; t < T; ++t) {
+          const uint32_t* xp = xr[m][t] + (g * 4 + c) * 4;
+          for (int p = 0; p < 4; ++p) {
+            __m512& d = dot[m][p % C];
+            d = _mm512_dpbf16_ps(d, w[p], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[p])));
+          }
+        }
     }
-    if constexpr (!kOneChain)
-      for (int m = 0; m < M; ++m) dot[m] = _mm512_add_epi32(dot[m], dot_hi[m]);
     const __m512 s = load_bf16x16(sz + g * 32), z = load_bf16x16(sz + g * 32 + 16);
-    const __m512 zc = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // z − 8 s
+    const __m512 zc = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), s, z);  // z − 136 s
     for (int m = 0; m < M; ++m) {
-      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[m * G + g]));
-      acc[m] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(dot[m]), acc[m]);
-      acc[m] = _mm512_fmadd_ps(zc, _mm512_set1_ps(sx[m * G + g]), acc[m]);
+      __m512 d = dot[m][0];
+      for (int c = 1; c < C; ++c) d = _mm512_add_ps(d, dot[m][c]);
+      acc[m] = _mm512_fmadd_ps(s, d, acc[m]);
+      acc[m] = _mm512_fmadd_ps(zc, _mm512_set1_ps(x.row_sums(m0 + m)[g]), acc[m]);
     }
   }
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * 16, acc[m]);
 }
 #endif
 
-// x [M, K] (fp32 or bf16) × the packed weight → [M, O] in x's dtype.
-at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz) {
-  TORCH_CHECK(int4_vnni_supported(), "int4_vnni_linear: this build has no AVX512-VNNI/BF16");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_vnni_linear: contiguous [M, K] expected");
+// x [M, K] (fp32 or bf16) × the packed weight → [M, O] in x's dtype, activations unrounded.
+at::Tensor int4_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz) {
+  TORCH_CHECK(int4_vnni_supported(), "int4_bf16_linear: this build has no AVX512-VNNI/BF16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_bf16_linear: contiguous [M, K] expected");
   const int64_t M = x.size(0), K = x.size(1), OB = codes.size(0), O = OB * 16, G = K / 32;
-  TORCH_CHECK(codes.size(1) * 8 == K && sz.size(1) == G, "int4_vnni_linear: shape mismatch");
+  TORCH_CHECK(codes.size(1) * 8 == K && sz.size(1) == G, "int4_bf16_linear: shape mismatch");
   auto out = at::empty({M, O}, x.options());
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  QuantizedRows xq(x);
+  const Bf16PairRows xb(x);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const auto* szp = sz.data_ptr<c10::BFloat16>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_vnni_linear", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_bf16_linear", [&] {
     using T = scalar_t;
     T* op = out.data_ptr<T>();
-    for_output_blocks<8>(
-        M, OB, 4,
-        [&](int64_t ob, int64_t m0, auto rows, float* tile) {
-          vnni_block<decltype(rows)::value>(cp + ob * (K / 8) * 64, szp + ob * G * 32, K, xq.row_q(m0),
-                                            xq.row_d(m0), xq.row_s(m0), tile);
-        },
-        [&](int64_t m, int64_t ob, const float* t) { store_row16(op + m * O + ob * 16, t); });
+    const auto block = [&](int64_t ob, int64_t m0, auto rows, float* tile) {
+      constexpr int R = decltype(rows)::value;
+      const uint8_t* c = cp + ob * (K / 8) * 64;
+      const c10::BFloat16* s = szp + ob * G * 32;
+      if (xb.T == 1)
+        bf16_block<R, 1>(c, s, K, xb, m0, tile);
+      else
+        bf16_block<R, 2>(c, s, K, xb, m0, tile);
+    };
+    for_output_blocks<8>(M, OB, 4, block,
+                         [&](int64_t m, int64_t ob, const float* t) { store_row16(op + m * O + ob * 16, t); });
   });
 #endif
   return out;
@@ -1773,8 +1848,8 @@ at::Tensor int4_vnni_dequantize_t(const at::Tensor& codes, const at::Tensor& sz)
 // ---- int8 × int8 (VNNI) for wide int8 layers (the LM head under int4/int8) -------------------
 // At one row the LM head is memory-bound and int8_linear reads it at memory speed; at 16 rows
 // it is compute-bound, and widening every weight to fp32 for FMAs runs at ~36 GFMA/s on one
-// thread here. `vpdpbusd` multiplies 64 int8 pairs an instruction,
-// so the activations are quantised to int8 per group of 32 (as for int4; measured on SmolLM2's
+// thread here. `vpdpbusd` multiplies 64 int8 pairs an instruction, so the activations are
+// quantised to int8 per group of 32 (llama.cpp's Q8 blocks; measured on SmolLM2's
 // head: perplexity 7.906 → 7.901, mean |Δlogit| 0.04, the same argmax at every position) and
 // the weights are repacked once after loading: [O/16, K/4, 64] bytes, lane l of a 64-byte row
 // holding w[16·ob + l][4·q .. 4·q + 3] + 128 (vpdpbusd takes one unsigned operand).
@@ -2244,8 +2319,8 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("int4_dense_supported() -> bool");
   m.def("int4_vnni_supported() -> bool");
   m.def("int4_vnni_pack(Tensor qweight, int group, Tensor scales_zeros) -> (Tensor, Tensor)");
-  m.def("int4_vnni_linear(Tensor x, Tensor codes, Tensor sz) -> Tensor");
   m.def("int4_vnni_dequantize_t(Tensor codes, Tensor sz) -> Tensor");
+  m.def("int4_bf16_linear(Tensor x, Tensor codes, Tensor sz) -> Tensor");
   m.def("int8_vnni_pack(Tensor w) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor packed, Tensor scales, bool fp32_out=False) -> Tensor");
   m.def("int8_vnni_dequantize_t(Tensor packed) -> Tensor");
@@ -2301,8 +2376,8 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("mla_expand_output", &mla_expand_output);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("int4_vnni_pack", &int4_vnni_pack);
-  m.impl("int4_vnni_linear", &int4_vnni_linear);
   m.impl("int4_vnni_dequantize_t", &int4_vnni_dequantize_t);
+  m.impl("int4_bf16_linear", &int4_bf16_linear);
   m.impl("int8_vnni_pack", &int8_vnni_pack);
   m.impl("int8_vnni_linear", &int8_vnni_linear);
   m.impl("int8_vnni_dequantize_t", &int8_vnni_dequantize_t);

@@ -48,8 +48,8 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
         }
         y = at::mm(x, wt);
       } else {
-        DSINFER_RANGE("dsinfer::int4_vnni_linear");
-        y = int4_vnni_linear(x, l.a, l.b);
+        DSINFER_RANGE("dsinfer::int4_bf16_linear");
+        y = int4_bf16_linear(x, l.a, l.b);
       }
       break;
     case kInt8: {
