@@ -148,7 +148,7 @@ def serve(opts: ServeOptions, config_for: ConfigFor) -> int:
         f"dsinfer: serving {', '.join(names)} at {url}/v1\n"
         f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
         f'-d \'{{"model": "{first}", "messages": [{{"role": "user", '
-        f'"content": "What is the capital of France?"}}]}}\'',
+        f'"content": "Name the capital of France."}}]}}\'',
         flush=True,
     )
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal to the handler
