@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -1672,57 +1673,61 @@ inline __m512 load_bf16x16(const c10::BFloat16* p) { return load16(p); }
 // the four 16-bit pairs a lane's dword yields are inputs (k, k+2), (k+1, k+3), (k+4, k+6),
 // (k+5, k+7); the activations are laid out once per call in that pair order.
 // Cost: two dot instructions where int8 needed one. SmolLM2's 30 layers, weights streamed,
-// 1 / 16 rows: 1.74 / 7.7 ms against int8's 1.56-1.70 / 5.6.
+// 1 / 16 rows: 1.70-1.82 / 7.1 ms against int8's 1.56-1.70 / 5.6.
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 // One activation row as bf16 pairs in the codes' order (K / 2 dwords a term) and the exact
 // fp32 sum of each group of 32 of the values multiplied.
 struct Bf16PairRows {
   int64_t K, G, T;  // T: bf16 terms a row (1 for bf16 activations, 2 for fp32: hi + lo)
-  std::vector<uint32_t> pairs;
-  std::vector<float> sums;
+  std::unique_ptr<uint32_t[]> pairs;  // [M, T, K / 2]
+  std::unique_ptr<float[]> sums;      // [M, G]
 
   explicit Bf16PairRows(const at::Tensor& x)
       : K(x.size(1)), G(x.size(1) / 32), T(x.scalar_type() == at::kBFloat16 ? 1 : 2),
-        pairs(x.size(0) * T * x.size(1) / 2), sums(x.size(0) * G) {
+        pairs(new uint32_t[x.size(0) * T * x.size(1) / 2]), sums(new float[x.size(0) * G]) {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
                 "int4_bf16_linear: fp32 or bf16 rows expected");
     const int64_t M = x.size(0);
-    const void* xp = x.data_ptr();
-    const bool bf16 = T == 1;
+    // Within each run of 8 words: 0 2 1 3 4 6 5 7, the codes' pair order.
+    alignas(64) int16_t order[32];
+    for (int i = 0; i < 32; ++i) {
+      static constexpr int16_t kRun[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+      order[i] = static_cast<int16_t>(i / 8 * 8 + kRun[i % 8]);
+    }
+    const __m512i idx = _mm512_load_si512(order);
+    const auto widen_lo = [](__m512i w) {  // words 0..15 → fp32
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+    };
+    const auto widen_hi = [](__m512i w) {  // words 16..31 → fp32
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+    };
+    // Rows on all threads (a routed expert's call has a row or two: then one task).
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      std::vector<uint16_t> terms(T * K);
-      for (int64_t m = m0; m < m1; ++m) {
-        for (int64_t k = 0; k < K; ++k) {
-          if (bf16) {
-            terms[k] = static_cast<const c10::BFloat16*>(xp)[m * K + k].x;
-          } else {
-            const float v = static_cast<const float*>(xp)[m * K + k];
-            const c10::BFloat16 hi(v);
-            const c10::BFloat16 lo(v - static_cast<float>(hi));
-            terms[k] = hi.x;
-            terms[K + k] = lo.x;
-          }
-        }
+      for (int64_t m = m0; m < m1; ++m)
         for (int64_t g = 0; g < G; ++g) {
-          float s = 0.f;
-          for (int64_t t = 0; t < T; ++t)
-            for (int64_t j = 0; j < 32; ++j) s += c10::detail::f32_from_bits(terms[t * K + g * 32 + j]);
-          sums[m * G + g] = s;
+          __m512i hi, lo;
+          __m512 sum;
+          if (T == 1) {
+            hi = _mm512_loadu_si512(x.const_data_ptr<c10::BFloat16>() + m * K + g * 32);
+            sum = _mm512_add_ps(widen_lo(hi), widen_hi(hi));
+          } else {
+            const float* xf = x.const_data_ptr<float>() + m * K + g * 32;
+            const __m512 a = _mm512_loadu_ps(xf), b = _mm512_loadu_ps(xf + 16);
+            hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // words 0..15 from a, 16..31 from b
+            const __m512 ra = _mm512_sub_ps(a, widen_lo(hi)), rb = _mm512_sub_ps(b, widen_hi(hi));
+            lo = (__m512i)_mm512_cvtne2ps_pbh(rb, ra);
+            sum = _mm512_add_ps(_mm512_add_ps(widen_lo(hi), widen_hi(hi)),
+                                _mm512_add_ps(widen_lo(lo), widen_hi(lo)));
+            _mm512_storeu_si512(row(m, 1) + g * 16, _mm512_permutexvar_epi16(idx, lo));
+          }
+          _mm512_storeu_si512(row(m, 0) + g * 16, _mm512_permutexvar_epi16(idx, hi));
+          sums[m * G + g] = _mm512_reduce_add_ps(sum);
         }
-        static constexpr int kPair[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
-        for (int64_t t = 0; t < T; ++t) {
-          uint32_t* out = row(m, t);
-          for (int64_t c = 0; c < K / 8; ++c)
-            for (int p = 0; p < 4; ++p)
-              out[c * 4 + p] = uint32_t(terms[t * K + c * 8 + kPair[p][0]]) |
-                               (uint32_t(terms[t * K + c * 8 + kPair[p][1]]) << 16);
-        }
-      }
     });
   }
-  const uint32_t* row(int64_t m, int64_t t) const { return pairs.data() + (m * T + t) * (K / 2); }
-  uint32_t* row(int64_t m, int64_t t) { return pairs.data() + (m * T + t) * (K / 2); }
-  const float* row_sums(int64_t m) const { return sums.data() + m * G; }
+  const uint32_t* row(int64_t m, int64_t t) const { return pairs.get() + (m * T + t) * (K / 2); }
+  uint32_t* row(int64_t m, int64_t t) { return pairs.get() + (m * T + t) * (K / 2); }
+  const float* row_sums(int64_t m) const { return sums.get() + m * G; }
 };
 
 // 16 outputs (one block) for M rows of T terms: out[m][16].
@@ -1735,7 +1740,7 @@ inline void bf16_block(const uint8_t* codes, const c10::BFloat16* sz, int64_t K,
   // Two independent sum chains a row (vdpbf16ps waits on its accumulator): pair p goes to
   // chain p % 2 for every number of rows, so a row sums in the same order in any batch. (Four
   // chains in chunks of 4 rows: 1.7-2.0 / 9.6 ms for SmolLM2's 30 layers at 1 / 16 rows;
-  // these two in chunks of 8: 1.74 / 7.7.)
+  // these two in chunks of 8: 1.74 / 7.7, before the activations' layout was vectorised.)
   constexpr int C = 2;
   const int64_t G = K / 32;
   const uint32_t* xr[M][T];
