@@ -1629,9 +1629,9 @@ struct QuantizedRows {
   float* row_s(int64_t m) { return s.data() + m * G; }
 };
 
-// The loop the int8 × int8 and int4 × bf16 kernels share: every block of 16 outputs, every chunk of rows (the
-// block's weights stay in cache for all of them). block(ob, m0, rows, tile) fills
-// tile[rows][16]; store(m, ob, t) writes row m's 16 outputs of block ob from t[16].
+// The loop the int8 × int8 and int4 × bf16 kernels share: every block of 16 outputs, every
+// chunk of rows (the block's weights stay in cache for all of them). block(ob, m0, rows, tile)
+// fills tile[rows][16]; store(m, ob, t) writes row m's 16 outputs of block ob from t[16].
 template <int Wide = 4, typename Block, typename Store>
 inline void for_output_blocks(int64_t M, int64_t OB, int64_t grain, Block&& block, Store&& store) {
   at::parallel_for(0, OB, grain, [&](int64_t ob0, int64_t ob1) {
