@@ -11,11 +11,12 @@ through W_UK, back through W_UV) read kv_b_proj's weight in its own dtype with f
 kernel each; the reference's einsums multiply an fp32 copy: twice the bytes).
 
 Prefill chunks: rotary and the KV write in one kernel that rounds as the reference does (bf16:
-its result is the reference's bit for bit, ~5x faster); a chunk with nothing cached before it
-keeps the reference's one causal SDPA; a chunk with a cached context (a long prompt's later
-chunks, prefix-cache hits) attends from the paged cache in one kernel (flash-style, 16 queries a
-vector; no gathered copy of the context, no mask tensor, no fp32 copies): ~2x the reference's
-gather + masked SDPA at 1,024 queries × 4,000 tokens.
+its result is the reference's bit for bit, ~5x faster); then every chunk attends from the paged
+cache in one kernel (flash-style, 16 queries a vector; no gathered copy of the context, no mask
+tensor, no fp32 copies): ~2x the reference's gather + masked SDPA at 1,024 queries × 4,000
+tokens, and 1.15-1.35x its causal SDPA on a chunk with nothing cached before it (a 16-prompt
+burst's prefill ~10% faster). One kernel for every chunk also means a prompt's attention does
+not change arithmetic with how it was chunked or what the prefix cache held.
 """
 
 from __future__ import annotations
@@ -109,16 +110,14 @@ class FusedCpuPagedAttention(TorchPagedAttention):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         p: PrefillSeq,
     ) -> torch.Tensor:
-        # Nothing cached before the chunk: the reference's causal SDPA on the fresh keys (the
-        # kernel would be 1.15-1.35x faster, but its one-ulp differences moved the quality
-        # gate's short text by 0.8%: docs/benchmarks.md, session 10). With a cached context
-        # (later chunks of a long prompt, prefix-cache hits) the reference gathers the context,
-        # copies it to fp32 and masks: there the kernel reads the pages in place, ~2x faster at
-        # 1,024 × 4,000.
+        # The reference gathers a cached context, copies it to fp32 and masks (~2x slower at
+        # 1,024 × 4,000); with nothing cached it runs a causal fp32 SDPA on the fresh keys
+        # (1.15-1.35x slower). The kernel's one-ulp differences from that SDPA move an 81-token
+        # text's perplexity by ~0.8% (single roundings dominate so short a text) and a
+        # 1,388-token or 2,000-token text's by < 0.3% (session 15; docs/backends.md).
         k_cache, v_cache = kv_cache
         if (
-            p.ctx_len == p.q_len
-            or q.dtype not in _KERNEL_DTYPES
+            q.dtype not in _KERNEL_DTYPES
             or k_cache.dtype != q.dtype
             or not torch.ops.dsinfer.paged_prefill_supported(self.head_dim, self.group)
         ):
