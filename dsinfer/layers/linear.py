@@ -25,7 +25,7 @@ class ProgramOperand:
     `kind` names the kernel family, `a`/`b` its tensors in the kernel's layout."""
 
     DENSE = 0  # a: weight [out, in] (F.linear)
-    INT4_VNNI = 1  # a: codes, b: scales|zeros (int4_vnni_linear)
+    INT4_VNNI = 1  # a: codes, b: scales|zeros (int4_bf16_linear)
     INT8 = 2  # a: weight int8 [out, in], b: scales [out] (int8_mm's rules)
     INT8_VNNI = 3  # a: packed int8 [out/16, in/4, 64], b: scales [out] (int8_vnni_linear)
 

@@ -65,7 +65,7 @@ def _int4_kernels(
 ) -> tuple[int, bool]:
     """The fused backend's choice for int4 weights of these output row counts (a Linear, or
     both stacks of the routed experts): (rows from which to widen for a dense GEMM, 0: never;
-    whether to repack for the int4 × int8 VNNI kernel)."""
+    whether to repack for the fused int4 kernels, int4_bf16_linear and the widening)."""
     ok = (
         _fused_cpu(kernels_name, device_type)
         and all(o % 64 == 0 for o in out_rows)
@@ -276,7 +276,7 @@ class Int4LinearMethod(LinearMethod):
 
     qweight is torch's CPU int4pack layout [out, in / 2] (uint8), scales_zeros [in / G, out, 2];
     the layout is the kernel's, so an artifact is loaded by mmap without repacking. The fused
-    backend repacks it once after loading for its int4 × int8 kernel (`_repack_for_vnni`)."""
+    backend repacks it once after loading for its own int4 kernels (`_repack_for_vnni`)."""
 
     scheme = "int4"
     tensor_names = ("qweight", "scales_zeros")
@@ -299,7 +299,7 @@ class Int4LinearMethod(LinearMethod):
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.dense_rows = 0  # fused backend: widen to bf16 from this many rows (0: never)
-        self.vnni = False  # fused backend: the weight is repacked for int4_vnni_linear
+        self.vnni = False  # fused backend: the weight is repacked for int4_bf16_linear
 
     def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
         self.dense_rows, repack = _int4_kernels(
@@ -447,7 +447,7 @@ class Int4ExpertsMethod(ExpertsMethod):
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.dense_rows = 0  # fused backend: widen to bf16 from this many rows (0: never)
-        self.vnni = False  # fused backend: the stacks are repacked for int4_vnni_linear
+        self.vnni = False  # fused backend: the stacks are repacked for int4_bf16_linear
 
     def create_weights(self, experts: nn.Module, e: int, two_i: int, h: int) -> None:
         for which, (out_f, in_f) in (("13", (two_i, h)), ("2", (h, two_i // 2))):
