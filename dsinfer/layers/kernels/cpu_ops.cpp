@@ -1695,29 +1695,27 @@ struct Bf16PairRows {
       order[i] = static_cast<int16_t>(i / 8 * 8 + kRun[i % 8]);
     }
     const __m512i idx = _mm512_load_si512(order);
-    const auto widen_lo = [](__m512i w) {  // words 0..15 → fp32
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
-    };
-    const auto widen_hi = [](__m512i w) {  // words 16..31 → fp32
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
-    };
+    const void* xp = x.const_data_ptr();
     // Rows on all threads (a routed expert's call has a row or two: then one task).
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t g = 0; g < G; ++g) {
-          __m512i hi, lo;
+          __m512i hi;
           __m512 sum;
           if (T == 1) {
-            hi = _mm512_loadu_si512(x.const_data_ptr<c10::BFloat16>() + m * K + g * 32);
-            sum = _mm512_add_ps(widen_lo(hi), widen_hi(hi));
+            const auto* xb = static_cast<const c10::BFloat16*>(xp) + m * K + g * 32;
+            hi = _mm512_loadu_si512(xb);
+            sum = _mm512_add_ps(load16(xb), load16(xb + 16));
           } else {
-            const float* xf = x.const_data_ptr<float>() + m * K + g * 32;
+            // x = hi + lo, each a bf16 value (the sum is of those values, as multiplied).
+            const float* xf = static_cast<const float*>(xp) + m * K + g * 32;
             const __m512 a = _mm512_loadu_ps(xf), b = _mm512_loadu_ps(xf + 16);
-            hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // words 0..15 from a, 16..31 from b
-            const __m512 ra = _mm512_sub_ps(a, widen_lo(hi)), rb = _mm512_sub_ps(b, widen_hi(hi));
-            lo = (__m512i)_mm512_cvtne2ps_pbh(rb, ra);
-            sum = _mm512_add_ps(_mm512_add_ps(widen_lo(hi), widen_hi(hi)),
-                                _mm512_add_ps(widen_lo(lo), widen_hi(lo)));
+            const __m512 ha = to_bf16_and_back(a), hb = to_bf16_and_back(b);
+            const __m512 la = to_bf16_and_back(_mm512_sub_ps(a, ha));
+            const __m512 lb = to_bf16_and_back(_mm512_sub_ps(b, hb));
+            hi = (__m512i)_mm512_cvtne2ps_pbh(hb, ha);  // words 0..15 from a, 16..31 from b
+            const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(lb, la);
+            sum = _mm512_add_ps(_mm512_add_ps(ha, hb), _mm512_add_ps(la, lb));
             _mm512_storeu_si512(row(m, 1) + g * 16, _mm512_permutexvar_epi16(idx, lo));
           }
           _mm512_storeu_si512(row(m, 0) + g * 16, _mm512_permutexvar_epi16(idx, hi));
