@@ -67,8 +67,9 @@ def _paged_step(dtype: torch.dtype, lens: list[int], heads: int, kv: int, d: int
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# (16, 1): more query heads per KV head than the bf16-pair loops take (they fall back).
-@pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2), (9, 3), (16, 1)])
+# (16, 1): more query heads per KV head than the bf16-pair loops take (they fall back);
+# (8, 1): more value sums than registers hold (the pair loops' unpack-once variant).
+@pytest.mark.parametrize("heads,kv", [(4, 4), (6, 2), (9, 3), (8, 1), (16, 1)])
 @pytest.mark.parametrize(
     "d,bs",
     # head dims of 1, 4 and 8 vectors; blocks shorter than, equal to and longer than a run of
