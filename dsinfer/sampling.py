@@ -67,6 +67,11 @@ class SamplingParams:
         )
         _check(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+        )
+        _check(
             0.0 <= self.temperature <= 2.0 or self.temperature == 0,
             "temperature",
             f"must be in [0, 2], got {self.temperature}",
@@ -148,9 +153,8 @@ def split_samples(params: SamplingParams, n: int | None = None) -> list[Sampling
     if n == 1 and params.n == 1:
         return [params]
     if params.seed is not None and params.seed + n - 1 > SEED_MAX:
-        raise ValueError(
-            f"invalid sampling parameter seed: {params.seed} with n={n} derives seeds past "
-            f"{SEED_MAX}; use a smaller seed"
+        raise InvalidSamplingParameter(
+            "seed", f"{params.seed} with n={n} derives seeds past {SEED_MAX}; use a smaller seed"
         )
     return [
         dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
@@ -165,9 +169,17 @@ def check_token_ids(ids: list[int], vocab_size: int) -> None:
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
+class InvalidSamplingParameter(ValueError):
+    """A sampling parameter out of its range; `param` names it (the server's error body)."""
+
+    def __init__(self, param: str, why: str) -> None:
+        super().__init__(f"invalid sampling parameter {param}: {why}")
+        self.param = param
+
+
 def _check(ok: bool, name: str, why: str) -> None:
     if not ok:
-        raise ValueError(f"invalid sampling parameter {name}: {why}")
+        raise InvalidSamplingParameter(name, why)
 
 
 @dataclass(frozen=True, slots=True)

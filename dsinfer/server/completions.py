@@ -65,7 +65,7 @@ async def completion(
                 max_tokens, body.logprobs, prompt_logprobs=plp, structured=structured
             )
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         jobs.append((p_index, ids, split_samples(params, body.n)))
         metrics.prompt_tokens.labels(*labels_of(served)).inc(len(ids))
     rid = new_id("cmpl")

@@ -49,6 +49,18 @@ def test_seed_past_int64_is_a_400_and_the_engine_lives(scripted_url, scripted):
     wait_idle(scripted)
 
 
+def test_min_tokens_past_max_tokens_is_a_400_naming_it(scripted_url):
+    """It was served quietly cut to max_tokens."""
+    for path, body in (
+        ("/v1/completions", {"prompt": "a", "max_tokens": 3, "min_tokens": 5}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 3, "min_tokens": 5}),
+    ):
+        err = _assert_4xx(_post(scripted_url, path, body), 400, "max_tokens (3)")
+        assert err["param"] == "min_tokens"
+    r = _post(scripted_url, "/v1/completions", {"prompt": "a", "max_tokens": 3, "min_tokens": 3})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize(
     ("path", "raw", "param"),
     [

@@ -112,6 +112,7 @@ def test_logprobs_top_n_and_rank():
         dict(n=0),
         dict(min_p=1.5),
         dict(presence_penalty=3),
+        dict(min_tokens=5, max_tokens=3),  # it was quietly cut to 3
     ],
 )
 def test_invalid_params_name_the_field(kw):
