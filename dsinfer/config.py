@@ -217,6 +217,9 @@ class EngineConfig:
     allow_unsigned: bool = False
     # Self-speculative decoding with a DeepSeek-V3 checkpoint's MTP layer, when it has one.
     mtp: bool = True
+    # Prompt-lookup speculative decoding: up to this many draft tokens a step, taken from
+    # where the request's last tokens occurred before (0: off; it takes precedence over MTP).
+    ngram_speculation: int = 0
     tensor_parallel: int = 1  # processes each layer is split over (gloo on CPU)
     pipeline_parallel: int = 1  # stages the layers are split into (one process each)
     expert_parallel: int = 1  # processes the routed experts are placed over (MoE models)
@@ -226,6 +229,12 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # one node: a free local port
+
+    def __post_init__(self) -> None:
+        if self.ngram_speculation < 0:
+            raise ValueError(
+                f"ngram_speculation: draft tokens a step must be >= 0, got {self.ngram_speculation}"
+            )
 
 
 def parse_memory(text: str | int) -> int:

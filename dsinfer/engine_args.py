@@ -133,6 +133,13 @@ class EngineArgs:
         metadata=_opt("use a DeepSeek-V3 checkpoint's MTP layer for speculative decoding "
                       "(--no-mtp: off)", negate="--no-mtp"),
     )  # fmt: skip
+    ngram_speculation: int = field(
+        default=0,
+        metadata=_opt("prompt-lookup speculative decoding: draft up to K tokens a step from "
+                      "where the request's last 2-3 tokens occurred before in its prompt or "
+                      "output, verified by the model (greedy requests; exact; 0: off)",
+                      type=int, metavar="K"),
+    )  # fmt: skip
     # The grid: on the command line through --parallel (and vLLM's -tp/-pp), see
     # add_engine_flags below.
     tensor_parallel: int = field(default=1, metadata=_opt("tensor-parallel ranks", cli=False))
@@ -162,6 +169,7 @@ class EngineArgs:
             trusted_keys=tuple(str(k) for k in self.trusted_keys),
             allow_unsigned=self.allow_unsigned,
             mtp=self.mtp,
+            ngram_speculation=self.ngram_speculation,
             tensor_parallel=self.tensor_parallel,
             pipeline_parallel=self.pipeline_parallel,
             expert_parallel=self.expert_parallel,

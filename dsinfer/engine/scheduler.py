@@ -86,18 +86,28 @@ class Scheduler:
         preempted = False
 
         i = 0
+        drafted: list[int] = []  # seqs holding a decode whose request has drafts
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            num_draft = self._num_draft(req, num_new, budget)
             n_running = len(self.running)
-            ok = self._allocate_or_preempt(req, num_new + num_draft)
+            ok = self._allocate_or_preempt(req, num_new)
             preempted = preempted or len(self.running) < n_running
             if not ok:
                 break
-            seqs.append(self._slice(req, num_new, num_draft))
-            budget -= num_new + num_draft
+            seqs.append(self._slice(req, num_new))
+            budget -= num_new
+            if self._num_draft(req, num_new, budget + num_new):
+                drafted.append(len(seqs) - 1)
             i += 1
+        # Drafts once every running request has its own rows: from the budget and the free
+        # blocks left, never by preempting a request (a draft may be wrong; a request is not).
+        for j in drafted:
+            req = self.requests[seqs[j].req_id]
+            num_draft = self._num_draft(req, 1, budget + 1)
+            if num_draft and self.kv.allocate_slots(req, 1 + num_draft):
+                seqs[j] = self._slice(req, 1, num_draft)
+                budget -= num_draft
 
         while (
             not preempted
@@ -150,13 +160,14 @@ class Scheduler:
 
     @staticmethod
     def _num_draft(req: Request, num_new: int, budget: int) -> int:
-        """Drafts to verify with this decode step: all of them when the step is a plain decode,
-        the budget has room and the request may still emit them all."""
+        """Drafts to verify with this decode step (a plain decode): as many as the budget has
+        room for and the request may still emit (the sampled token and each accepted draft's
+        follower count against max_tokens)."""
         n = len(req.draft_token_ids)
         if not n or num_new != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return 0
         room = req.max_tokens - len(req.output_token_ids)
-        return n if num_new + n <= budget and room > n else 0
+        return max(0, min(n, budget - num_new, room - 1))
 
     def _preempt(self, req: Request) -> None:
         req.draft_token_ids = []

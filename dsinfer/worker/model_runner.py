@@ -12,7 +12,6 @@ import torch
 
 from dsinfer.config import CacheConfig, EngineConfig
 from dsinfer.device.graphs import graphs_unavailable
-from dsinfer.distributed.comm import share_with_stage
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.backend import apply_backend
 from dsinfer.models.loader import LoadedModel, release_freed_memory
@@ -21,6 +20,7 @@ from dsinfer.worker.decode_graphs import DecodeGraphs, graph_unsafe
 from dsinfer.worker.grammar_mask import BitmaskFiller, GrammarState, apply_bitmask, keep_mask
 from dsinfer.worker.input_batch import ModelInput, build_model_input
 from dsinfer.worker.kv_cache import allocate_kv_cache
+from dsinfer.worker.ngram_drafter import NgramDrafter
 from dsinfer.worker.sampler import Sampler, SamplerState, prompt_logprob_entries
 from dsinfer.worker.spec_decode import MTPDrafter, draft_rows, sample_rows, verify_greedy
 from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
@@ -41,6 +41,7 @@ class ModelRunner:
         step_program: bool = False,
         max_num_seqs: int = 64,
         decode_graphs: bool | None = None,
+        ngram_speculation: int = 0,
     ) -> None:
         """step_program: capture the decode step (fused backend): one C++ program on the CPU,
         graphs per batch bucket on an accelerator. decode_graphs: None decides by the device
@@ -69,13 +70,8 @@ class ModelRunner:
         else:
             self._capture_step_program(step_program and device.type == "cpu")
         self.sampler = Sampler()
-        # Self-speculative decoding with the model's MTP layer, when it has one and it is on.
-        self.drafter = (
-            MTPDrafter(self.model, self.kv_caches)
-            if speculative and getattr(self.model, "mtp", None) is not None
-            else None
-        )
         self.states: dict[str, SamplerState] = {}
+        self.drafter = self._drafter(speculative, ngram_speculation)
         # Constrained decoding: the engine hands its compiler over (use_grammars); bitmasks
         # are filled on a helper thread during the forward pass.
         self.grammars: GrammarCompiler | None = None
@@ -100,6 +96,7 @@ class ModelRunner:
             backend=config.backend,
             step_program=config.step_program,
             max_num_seqs=config.scheduler.max_num_seqs,
+            ngram_speculation=config.ngram_speculation,
         )
 
     @property
@@ -152,6 +149,21 @@ class ModelRunner:
         else:
             logger.info("decode steps run as one captured program (layers/step_program.py)")
 
+    def _drafter(self, mtp: bool, ngram: int) -> MTPDrafter | NgramDrafter | None:
+        """Speculative decoding: prompt lookup when asked for (ngram draft tokens a step), else
+        the model's MTP layer when it has one and `mtp` is on, else none."""
+        if ngram:
+            logger.info("speculative decoding: prompt lookup, up to %d draft tokens a step", ngram)
+            return NgramDrafter(ngram, self._history)
+        if mtp and getattr(self.model, "mtp", None) is not None:
+            return MTPDrafter(self.model, self.kv_caches)
+        return None
+
+    def _history(self, req_id: str) -> list[int]:
+        """A request's tokens so far: its prompt, then what it generated."""
+        st = self.states[req_id]
+        return st.prompt_token_ids + st.output_token_ids
+
     def _new_generator(self, seed: int | None) -> torch.Generator:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_stream))
@@ -199,6 +211,8 @@ class ModelRunner:
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_req_ids:
             self.states.pop(rid, None)
+            if self.drafter is not None:
+                self.drafter.forget(rid)
         for nr in out.new_requests:
             self.states[nr.req_id] = self._new_state(nr.params, nr.prompt_token_ids)
         result = ModelRunnerOutput()
@@ -232,11 +246,7 @@ class ModelRunner:
                 for rid, extra in result.bonus.items():
                     self.states[rid].output_token_ids.extend(extra)
         if self.drafter is not None:
-            # The stage's other ranks need the driver's tokens to feed the split MTP layer.
-            shared = share_with_stage((result.sampled, result.bonus) if self.driver else None)
-            if not self.driver:
-                result.sampled, result.bonus = shared
-            self.drafter.propose(inp, hidden, result, self._wants_draft(inp))
+            self.drafter.propose(inp, hidden, result, self._wants_draft(inp), self.driver)
         self._prompt_logprobs(inp, hidden, result)
         return result if self.driver else ModelRunnerOutput()
 

@@ -9,13 +9,16 @@ positions as computed, and the next step overwrites the rest.
 
 The MTP drafter runs the model's multi-token-prediction layer over the same rows and attention
 metadata as the main pass (its own KV layer), each row fed with the token that follows it, and
-reads one draft at each request's last verified row.
+reads one draft at each request's last verified row. The prompt-lookup drafter
+(worker/ngram_drafter.py) takes the same seam: `propose(inp, hidden, result, wants_draft,
+driver)` fills result.drafts, `forget(req_id)` when a request ends.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dsinfer.distributed.comm import share_with_stage
 from dsinfer.worker.grammar_mask import GrammarState
 from dsinfer.worker.input_batch import ModelInput
 from dsinfer.worker.step_io import ModelRunnerOutput
@@ -79,7 +82,12 @@ class MTPDrafter:
         hidden: torch.Tensor,
         result: ModelRunnerOutput,
         wants_draft: set[str],
+        driver: bool = True,
     ) -> None:
+        # The stage's other ranks need the driver's tokens to feed the split MTP layer.
+        shared = share_with_stage((result.sampled, result.bonus) if driver else None)
+        if not driver:
+            result.sampled, result.bonus = shared
         next_ids = inp.input_ids.roll(-1).clone()  # row r → token r+1 (fixed up per seq below)
         draft_rows: list[int] = []
         draft_reqs: list[str] = []
@@ -100,3 +108,6 @@ class MTPDrafter:
         logits = self.model.compute_logits(h[torch.tensor(draft_rows)])  # [R, V]
         for rid, tok in zip(draft_reqs, logits.argmax(dim=-1).tolist(), strict=True):
             result.drafts[rid] = [int(tok)]
+
+    def forget(self, req_id: str) -> None:
+        """Nothing kept per request."""

@@ -222,8 +222,8 @@ def _record_drafts(llm) -> list[dict]:  # noqa: ANN001
     steps: list[dict] = []
     propose = drafter.propose
 
-    def recording(inp, hidden, result, wants):  # noqa: ANN001, ANN202
-        propose(inp, hidden, result, wants)
+    def recording(inp, hidden, result, wants, driver=True):  # noqa: ANN001, ANN202
+        propose(inp, hidden, result, wants, driver)
         order = {s.req_id: i for i, s in enumerate(inp.seqs)}
         steps.append({order[r]: d for r, d in result.drafts.items()})
 

@@ -126,3 +126,39 @@ def test_abort_frees_blocks_and_tells_runner():
     s.finish_request("a", RequestStatus.FINISHED_ABORTED)
     assert s.kv.pool.num_used == 0
     assert s.schedule().finished_req_ids == ["a"]
+
+
+def _decoding(s: Scheduler, rid: str, prompt: int, max_tokens: int, drafts: list[int]) -> Request:
+    """A greedy request through its prefill, holding `drafts` for its next decode step."""
+    req = _req(rid, prompt, max_tokens=max_tokens, temperature=0)
+    s.add_request(req)
+    out = s.schedule()
+    s.update(out, ModelRunnerOutput(sampled={rid: 7}, drafts={rid: drafts}))
+    return req
+
+
+def test_drafts_are_cut_to_what_the_request_may_still_emit():
+    s = _sched()
+    _decoding(s, "a", 3, max_tokens=3, drafts=[1, 2, 3, 4])
+    out = s.schedule()
+    # One token out, two to go: the sampled one and one accepted draft's follower.
+    assert out.seqs[0].num_draft == 1 and out.seqs[0].token_ids == [7, 1]
+
+
+def test_drafts_never_preempt_another_request():
+    s = _sched(num_blocks=4, block_size=4)
+    a = _req("a", 4, max_tokens=8, temperature=0)
+    b = _req("b", 4, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()  # both prompts: blocks 0 and 1
+    s.update(out, ModelRunnerOutput(sampled={"a": 7, "b": 7}, drafts={"a": [1, 2, 3, 4, 5]}))
+    out = s.schedule()
+    # Each decode needs one more block (2 free). a's five drafts would need a second one,
+    # which b's decode needs: the drafts wait, b runs.
+    by_id = {q.req_id: q for q in out.seqs}
+    assert by_id["a"].num_draft == 0 and by_id["a"].token_ids == [7]
+    assert by_id["b"].token_ids == [7] and s.num_preemptions == 0
+    s.update(out, ModelRunnerOutput(sampled={"a": 8, "b": 8}, drafts={"a": [1, 2]}))
+    out = s.schedule()  # room now (positions 5-7 in a's second block): the drafts go in
+    assert {q.req_id: q.num_draft for q in out.seqs} == {"a": 2, "b": 0}

@@ -92,6 +92,28 @@ def test_paged_decode_attention_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_of_one_sequence_see_each_others_keys(dtype: torch.dtype) -> None:
+    """A decode and its drafts go in as consecutive decode rows of one sequence (one table,
+    lengths p + 1, p + 2, …; worker/input_batch.py): each row must attend to the keys and
+    values the rows before it write in the same call. Sequence 0: five rows at positions
+    20-24 (its blocks hold stale values there until written); sequence 1: one row."""
+    heads, kv, d, bs = 9, 3, 64, 4
+    _, _, caches, meta = _paged_step(dtype, [25, 9], heads, kv, d, bs)
+    tables = meta.decode_block_tables.tolist()
+    table0, table1 = tables[0][: -(-25 // bs)], tables[1][: -(-9 // bs)]
+    lens = [21, 22, 23, 24, 25, 9]
+    meta = decode_metadata(lens, [table0] * 5 + [table1], bs)
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(len(lens), (heads + 2 * kv) * d, generator=g).to(dtype)
+    rope = RotaryEmbedding(d, 128, RopeConfig()).cos_sin(meta.decode_seq_lens - 1, dtype)
+    shape = dict(num_heads=heads, num_kv_heads=kv, head_dim=d, scale=d**-0.5)
+    ref_caches = tuple(c.clone() for c in caches)
+    want = TorchPagedAttention(**shape).forward_qkv(qkv, rope, ref_caches, meta)
+    got = FusedCpuPagedAttention(**shape).forward_qkv(qkv, rope, caches, meta)
+    torch.testing.assert_close(got, want, atol=2 * TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bs", [16, 48])  # 48 does not tile the 512-token chunks: no split
 def test_long_sequences_split_into_chunks_match_reference_and_their_batch(dtype, bs):
     """A sequence past 1,024 tokens is attended in chunks of 512 merged after; it matches the

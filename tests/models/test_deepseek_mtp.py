@@ -70,7 +70,7 @@ class OracleDrafter:
     def __init__(self, reference: dict[int, list[int]], pattern: str) -> None:
         self.reference, self.pattern, self.calls = reference, pattern, 0
 
-    def propose(self, inp, hidden, result: ModelRunnerOutput, wants) -> None:  # noqa: ANN001
+    def propose(self, inp, hidden, result: ModelRunnerOutput, wants, driver=True) -> None:  # noqa: ANN001
         for s in inp.seqs:
             if s.req_id not in result.sampled or s.req_id not in wants:
                 continue
@@ -86,6 +86,9 @@ class OracleDrafter:
             self.calls += 1
             if done < len(ref):
                 result.drafts[s.req_id] = [ref[done] if right else (ref[done] + 1) % 320]
+
+    def forget(self, req_id: str) -> None:
+        pass
 
 
 def test_verification_accepts_and_rejects_exactly(mtp_path):
@@ -118,8 +121,8 @@ def test_mtp_draft_matches_a_reference_computation(mtp_dir):
     seen: list[dict] = []
     original = runner.drafter.propose
 
-    def record(inp, hidden, result, wants):  # noqa: ANN001, ANN202
-        original(inp, hidden, result, wants)
+    def record(inp, hidden, result, wants, driver=True):  # noqa: ANN001, ANN202
+        original(inp, hidden, result, wants, driver)
         seen.append(dict(result.drafts))
 
     runner.drafter.propose = record

@@ -35,3 +35,25 @@ def test_decode_mask_hides_padding_of_shorter_tables():
     assert meta.decode_block_tables.tolist() == [[3, 0], [4, 5]]
     visible = (~meta.decode_mask.view(2, -1)).sum(-1).tolist()
     assert visible == [1, 6]
+
+
+def test_a_decode_with_drafts_is_decode_rows_until_its_context_is_long():
+    """Each of its rows a decode row of its own length (the captured program takes the step);
+    past DRAFT_ROWS_MAX_CONTEXT one prefill chunk, which reads the cache once for all rows."""
+    from dsinfer.layers.step_program import StepProgram
+    from dsinfer.worker.input_batch import DRAFT_ROWS_MAX_CONTEXT
+
+    cpu = torch.device("cpu")
+    drafted = ScheduledSeq("a", [7, 1, 2, 3], 10, [0, 1, 2, 3], True, num_draft=3)
+    plain = ScheduledSeq("b", [9], 5, [4, 5], True)
+    inp = build_model_input([plain, drafted], 4, cpu)
+    assert inp.meta.num_decode == 5 and not inp.meta.prefills
+    assert inp.meta.decode_seq_lens.tolist() == [6, 11, 12, 13, 14]
+    assert inp.meta.decode_block_tables[1:].tolist() == [[0, 1, 2, 3]] * 4
+    assert inp.last_rows == [0, 4]
+    assert StepProgram.takes(5, inp.meta)
+    far = DRAFT_ROWS_MAX_CONTEXT - 2
+    late = ScheduledSeq("c", [7, 1, 2], far, list(range(far // 4 + 2)), True, num_draft=2)
+    inp = build_model_input([late, plain], 4, cpu)
+    assert inp.meta.num_decode == 1 and len(inp.meta.prefills) == 1
+    assert [s.req_id for s in inp.seqs] == ["b", "c"]

@@ -836,6 +836,30 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
       int64_t b, kvh, chunk, chunks, t_begin, len;
       const int64_t* table;  // the chunk's blocks
     };
+    // Consecutive positions of one sequence (a decode with drafts to verify, each draft a
+    // row): a row must see the keys and values its predecessors write this step, so every
+    // row writes first, before any task attends. Otherwise each row's last chunk writes its
+    // own token just before attending (the same values either way).
+    bool write_first = false;
+    for (int64_t b = 1; b < B && !write_first; ++b)
+      write_first = lens[b] == lens[b - 1] + 1 && bt[b * nbt] == bt[(b - 1) * nbt];
+    const auto write_token = [&](int64_t b, int64_t kvh, float* k) {
+      const int64_t pos = lens[b] - 1, blk = bt[b * nbt + pos / bs];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
+      const T* row = qp + b * (H + 2 * KV) * D;
+      const int64_t slot = ((blk * KV + kvh) * bs + pos % bs) * D;
+      rotate(row + (H + kvh) * D, cp + pos * D, sp + pos * D, k, D);
+      const T* v = row + (H + KV + kvh) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kc[slot + d] = from_f32<T>(k[d]);
+        vc[slot + d] = v[d];
+      }
+    };
+    if (write_first) {
+      std::vector<float> k(D);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t kvh = 0; kvh < KV; ++kvh) write_token(b, kvh, k.data());
+    }
     const auto locate = [&](int64_t task) {
       const int64_t seq_chunk = task / KV;
       const int64_t b = std::upper_bound(first_chunk.begin(), first_chunk.end(), seq_chunk) - first_chunk.begin() - 1;
@@ -859,17 +883,7 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
           for (const T* cache : {static_cast<const T*>(kc), static_cast<const T*>(vc)})
             for (int64_t j = 0; j < pages; ++j) ahead.add(cache + (next.table[j] * KV + next.kvh) * bs * D, page_bytes);
         }
-        if (chunk == chunks - 1) {  // the chunk holding the new token writes it first
-          const int64_t blk = bt[b * nbt + pos / bs];
-          TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
-          const int64_t slot = ((blk * KV + kvh) * bs + pos % bs) * D;
-          rotate(row + (H + kvh) * D, cp + pos * D, sp + pos * D, k.data(), D);
-          const T* v = row + (H + KV + kvh) * D;
-          for (int64_t d = 0; d < D; ++d) {
-            kc[slot + d] = from_f32<T>(k[d]);
-            vc[slot + d] = v[d];
-          }
-        }
+        if (chunk == chunks - 1 && !write_first) write_token(b, kvh, k.data());  // its new token
         for (int64_t g = 0; g < G; ++g) {
           rotate(row + (kvh * G + g) * D, cp + pos * D, sp + pos * D, q.data() + g * D, D);
         }

@@ -1,0 +1,114 @@
+"""Prompt-lookup drafts: the tokens that followed the latest earlier occurrence of a request's
+last few tokens, verified by the main model like any other drafts (worker/spec_decode.py).
+
+Summaries, record extraction and edits copy spans of their input; where a request's last n
+tokens (n from `max_ngram` down to `min_ngram`) occurred before in its prompt or output, the
+k tokens after that occurrence are a draft that costs no model at all. Greedy verification
+keeps the output exactly what plain decoding gives; a wrong draft costs only the extra rows it
+put in the step. Where nothing matches, no draft: the step stays a plain decode (on the CPU, the
+captured program).
+
+Each request keeps an index, n-gram → the position just after its latest occurrence, grown
+by the tokens appended since the last step: a lookup costs O(max_ngram), not a scan of the
+history. And a draft length of its own: a step that rejects a draft at position j proposes
+j + 1 next time, one that accepts every draft doubles it (up to k): each draft row costs
+~0.2-0.4 of a decode step (docs/backends.md), so text that does not copy its input settles on
+one draft a step while a copied span ramps back up within two steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dsinfer.worker.input_batch import ModelInput
+from dsinfer.worker.step_io import ModelRunnerOutput
+
+# A step's rows with drafts stay within this many: under load the batch's own rows already
+# keep the weights busy, and drafts beyond it would push the projections past their few-row
+# kernel (16 streams: no drafts at all).
+MAX_STEP_ROWS = 16
+
+
+class _NgramIndex:
+    """n-grams of one token history, each mapped to the position after its latest occurrence
+    among those that have a following token."""
+
+    def __init__(self, min_ngram: int, max_ngram: int, k: int) -> None:
+        self.sizes = range(min_ngram, max_ngram + 1)
+        self.after: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in `after`
+        self.k = k  # the most it drafts
+        self.length = k  # what it drafts next
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """The last step checked `drafted` drafts and kept `accepted` of them."""
+        self.length = min(self.k, 2 * self.length) if accepted == drafted else accepted + 1
+
+    def lookup(self, history: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of history's longest
+        matching suffix; [] when none occurred."""
+        if len(history) < self.indexed:  # a failed step's tokens were rolled back
+            self.after.clear()
+            self.indexed = 0
+        # Index every n-gram that ends before the last token: each has a token after it.
+        for end in range(max(self.indexed, 1), len(history)):
+            for n in self.sizes:
+                if end >= n:
+                    self.after[tuple(history[end - n : end])] = end
+        self.indexed = max(self.indexed, len(history))
+        for n in reversed(self.sizes):
+            if len(history) >= n and (at := self.after.get(tuple(history[-n:]))) is not None:
+                return history[at : at + k]
+        return []
+
+
+class NgramDrafter:
+    """Up to k draft tokens a step for each greedy request whose recent tokens recur.
+
+    `history(req_id)` gives a request's tokens so far (prompt and output, this step's
+    included); `forget(req_id)` drops a finished request's index."""
+
+    def __init__(
+        self,
+        k: int,
+        history: Callable[[str], list[int]],
+        min_ngram: int = 2,
+        max_ngram: int = 3,
+    ) -> None:
+        if k < 1:
+            raise ValueError(f"n-gram speculation needs k >= 1 draft tokens, got {k}")
+        self.k = k
+        self.history = history
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self._index: dict[str, _NgramIndex] = {}
+
+    def propose(
+        self,
+        inp: ModelInput,
+        hidden: torch.Tensor,  # noqa: ARG002  (the drafter seam's signature: MTP reads it)
+        result: ModelRunnerOutput,
+        wants_draft: set[str],
+        driver: bool = True,
+    ) -> None:
+        if not driver:  # drafts go to the scheduler, which lives with the driver
+            return
+        share = (MAX_STEP_ROWS - len(inp.seqs)) // len(inp.seqs)  # draft rows a request
+        for s in inp.seqs:
+            rid = s.req_id
+            if rid not in result.sampled or rid not in wants_draft:
+                continue
+            index = self._index.get(rid)
+            if index is None:
+                index = self._index[rid] = _NgramIndex(self.min_ngram, self.max_ngram, self.k)
+            if s.num_draft:
+                index.verified(s.num_draft, len(result.bonus.get(rid, [])))
+            if share < 1:
+                continue  # (its index catches up at the next lookup)
+            draft = index.lookup(self.history(rid), min(index.length, share))
+            if draft:
+                result.drafts[rid] = draft
+
+    def forget(self, req_id: str) -> None:
+        self._index.pop(req_id, None)
