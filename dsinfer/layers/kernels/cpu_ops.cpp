@@ -277,7 +277,6 @@ inline void widen(const R* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = load_f(src[i]);
 }
 
-// row[t] = exp(row[t] - m); returns the sum.
 // The largest of n scores: std::max_element compares one score at a time, ~3 of a decode
 // task's ~35 instructions a cached token (max is exact: the same value either way).
 inline float max_row(const float* row, int64_t n) {
@@ -292,6 +291,7 @@ inline float max_row(const float* row, int64_t n) {
   return m;
 }
 
+// row[t] = exp(row[t] - m); returns the sum.
 inline float exp_row(float* row, int64_t n, float m) {
   float total = 0.f;
   int64_t t = 0;
