@@ -2,8 +2,9 @@
 
 The scenario tests (test_batching.py) pick one pressure at a time. Here a seed draws all of
 them at once — block size, token budget (chunk sizes down to 7 tokens), sequence cap, a pool
-too small for the load (preemption), prefix caching with prompts that share prefixes, arrivals
-over several steps and aborts — and every request that finishes must give the greedy tokens
+too small for the load (preemption), prefix caching with prompts that share prefixes,
+prompt-lookup drafts (prompts that say a part twice), arrivals over several steps and
+aborts — and every request that finishes must give the greedy tokens
 of the reference backend running its prompt alone (fp32: up to a near-tie of 1e-3). Then the
 pool must be clean. Two models: a tiny Llama (the fused MHA kernels and the captured decode
 program) and a tiny DeepSeek-V3 (MLA's latent cache and kernels, routed experts).
@@ -65,13 +66,14 @@ def model(request) -> tuple[str, LLM]:
 
 
 def _workload(rng: random.Random) -> tuple[list[list[int]], list[int]]:
-    """Prompts (half of them extending a shared base, for prefix-cache hits) and their lengths
-    of output."""
+    """Prompts (half of them extending a shared base, for prefix-cache hits; some saying a
+    part twice, for prompt-lookup drafts) and their lengths of output."""
     base = [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 60))]
     prompts = []
     for _ in range(rng.randint(2, 16)):
         shared = base[: rng.randint(0, len(base))] if rng.random() < 0.5 else []
-        prompts.append(shared + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 90))])
+        own = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 90))]
+        prompts.append(shared + (own + own if rng.random() < 0.3 else own))
     return prompts, [rng.randint(1, 24) for _ in prompts]
 
 
@@ -85,6 +87,7 @@ def _engine_options(rng: random.Random, prompts: list[list[int]], new: list[int]
         "max_num_batched_tokens": rng.choice([7, 16, 64, 512]),
         "max_num_seqs": rng.choice([2, 5, 16]),
         "enable_prefix_caching": rng.random() < 0.7,
+        "ngram_speculation": rng.choice([0, 0, 4]),
     }
 
 
@@ -152,6 +155,7 @@ def _check_seed(seed: int, model: tuple[str, LLM]) -> dict[str, int]:
         "prefix hits": eng.pool.hits,
         "aborts": len(prompts) - len(finished),
         "chunked prompts": sum(len(p) > options["max_num_batched_tokens"] for p in prompts),
+        "drafts kept": eng.scheduler.num_accepted_draft_tokens,
     }
 
 
@@ -159,14 +163,13 @@ SEEDS = {"llama": 32, "deepseek": 12}  # in `make test`; the soak takes the next
 
 
 def test_random_workloads_give_each_prompts_own_tokens(model, request):
-    """Together the seeds must have preempted, hit the prefix cache, aborted and chunked, or
-    the test would pass without testing what it says."""
+    """Together the seeds must have preempted, hit the prefix cache, aborted, chunked and
+    kept prompt-lookup drafts, or the test would pass without testing what it says."""
     seen = Counter()
     for seed in range(SEEDS[request.node.callspec.params["model"]]):
         seen.update(_check_seed(seed, model))
-    assert all(seen[k] > 0 for k in ("preemptions", "prefix hits", "aborts", "chunked prompts")), (
-        seen
-    )
+    pressures = ("preemptions", "prefix hits", "aborts", "chunked prompts", "drafts kept")
+    assert all(seen[k] > 0 for k in pressures), seen
 
 
 @pytest.mark.slow
