@@ -450,10 +450,10 @@ void head_values_avx(const float* probs, int64_t G, int64_t len, int64_t bs, con
   }, ahead);
 }
 
-// f.operator()<V>() for V = D / 16 in 1..8: the register arrays above need V at compile time.
+// f.operator()<N>() for N = n in 1..8 (8 for more): register arrays need N at compile time.
 template <typename F>
-inline void with_vectors(int64_t D, const F& f) {
-  switch (D / 16) {
+inline void with_count(int64_t n, const F& f) {
+  switch (n) {
     case 1: f.template operator()<1>(); break;
     case 2: f.template operator()<2>(); break;
     case 3: f.template operator()<3>(); break;
@@ -463,6 +463,12 @@ inline void with_vectors(int64_t D, const F& f) {
     case 7: f.template operator()<7>(); break;
     default: f.template operator()<8>(); break;
   }
+}
+
+// f.operator()<V>() for V = D / 16 in 1..8 vectors of a head.
+template <typename F>
+inline void with_vectors(int64_t D, const F& f) {
+  with_count(D / 16, f);
 }
 #endif
 
@@ -515,9 +521,9 @@ void head_scores_bf16(const float* q, int64_t G, int64_t len, int64_t bs, const 
 // (p[t], p[t+1]) broadcast. Within each 128-bit lane that puts dims 0-3 of every 8 in the
 // unpacklo half and 4-7 in the unpackhi half; the sums are put back in order at the end.
 // pb: G rows of len + 1 bf16 probabilities (the last one zero, for an odd tail).
-// With GT (= G) heads whose 2·V2 sums each fit in registers, a pair's unpacked rows serve every
-// head straight from registers; otherwise (GT = 0) they are unpacked once into `pairs` and each
-// head walks them. The same products are added in the same order either way: the register
+// When the GT (= G) heads' 2·V2 sums each fit in 24 of the 32 vector registers (the rest hold
+// a pair's rows), a pair's unpacked rows serve every head straight from registers; otherwise
+// they are unpacked once into `pairs` and each head walks them. The same products are added in the same order either way: the register
 // loop does ~20% fewer instructions a cached token (no stores and reloads of the unpacked pairs;
 // SmolLM2's G = 3, D = 64: 12 sums).
 template <int V2, int GT, typename Block>
@@ -535,7 +541,7 @@ void head_values_bf16(const c10::BFloat16* pb, int64_t G, int64_t len, int64_t b
   std::fill(out, out + G * D, 0.f);
   for_token_runs(len, bs, D, value, [&](int64_t t0, const c10::BFloat16* rows, int64_t n) {
     const c10::BFloat16* v = run_bf16(rows, n, D, buf);
-    if constexpr (GT > 0 && GT * 2 * V2 <= 24) {
+    if constexpr (GT * 2 * V2 <= 24) {
       __m512 acc[GT][2 * V2];
       for (int g = 0; g < GT; ++g)
         for (int c = 0; c < 2 * V2; ++c) acc[g][c] = _mm512_loadu_ps(out + g * D + c * 16);
@@ -646,18 +652,7 @@ bool head_values(const float* probs, int64_t G, int64_t D, int64_t len, int64_t 
       auto* rows = reinterpret_cast<c10::BFloat16*>(buf);  // [0, 16 D): a short run; then the pairs
       c10::BFloat16* pairs = rows + 16 * D;
       with_pair_vectors(D, [&]<int V2>() {
-        // Up to 24 of the 32 vector registers hold sums; the rest, a pair's rows.
-        const auto run = [&]<int GT>() { head_values_bf16<V2, GT>(pb, G, len, bs, value, out, rows, pairs, ahead); };
-        if (G * 2 * V2 > 24) run.template operator()<0>();
-        else switch (G) {
-          case 1: run.template operator()<1>(); break;
-          case 2: run.template operator()<2>(); break;
-          case 3: run.template operator()<3>(); break;
-          case 4: run.template operator()<4>(); break;
-          case 5: run.template operator()<5>(); break;
-          case 6: run.template operator()<6>(); break;
-          default: run.template operator()<0>(); break;
-        }
+        with_count(G, [&]<int GT>() { head_values_bf16<V2, GT>(pb, G, len, bs, value, out, rows, pairs, ahead); });
       });
       return true;
     }
