@@ -97,16 +97,17 @@ class Scheduler:
                 break
             seqs.append(self._slice(req, num_new))
             budget -= num_new
-            if self._num_draft(req, num_new, budget + num_new):
+            if req.draft_token_ids:
                 drafted.append(len(seqs) - 1)
             i += 1
         # Drafts once every running request has its own rows: from the budget and the free
         # blocks left, never by preempting a request (a draft may be wrong; a request is not).
         for j in drafted:
             req = self.requests[seqs[j].req_id]
-            num_draft = self._num_draft(req, 1, budget + 1)
-            if num_draft and self.kv.allocate_slots(req, 1 + num_draft):
-                seqs[j] = self._slice(req, 1, num_draft)
+            num_new = len(seqs[j].token_ids)
+            num_draft = self._num_draft(req, num_new, budget)
+            if num_draft and self.kv.allocate_slots(req, num_new + num_draft):
+                seqs[j] = self._slice(req, num_new, num_draft)
                 budget -= num_draft
 
         while (
@@ -159,15 +160,15 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _num_draft(req: Request, num_new: int, budget: int) -> int:
-        """Drafts to verify with this decode step (a plain decode): as many as the budget has
-        room for and the request may still emit (the sampled token and each accepted draft's
-        follower count against max_tokens)."""
+    def _num_draft(req: Request, num_new: int, spare: int) -> int:
+        """Drafts to verify with this step's `num_new` tokens when they are a plain decode: as
+        many as the `spare` budget has room for and the request may still emit (the sampled
+        token and each accepted draft's follower count against max_tokens)."""
         n = len(req.draft_token_ids)
         if not n or num_new != 1 or req.num_computed_tokens + 1 != req.num_tokens:
             return 0
         room = req.max_tokens - len(req.output_token_ids)
-        return max(0, min(n, budget - num_new, room - 1))
+        return max(0, min(n, spare, room - 1))
 
     def _preempt(self, req: Request) -> None:
         req.draft_token_ids = []

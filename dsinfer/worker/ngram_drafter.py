@@ -12,7 +12,7 @@ Each request keeps an index, n-gram → the position just after its latest occur
 by the tokens appended since the last step: a lookup costs O(max_ngram), not a scan of the
 history. And a draft length of its own: a step that rejects a draft at position j proposes
 j + 1 next time, one that accepts every draft doubles it (up to k): each draft row costs
-~0.2-0.4 of a decode step (docs/backends.md), so text that does not copy its input settles on
+~0.2-0.3 of a decode step (docs/engine.md), so text that does not copy its input settles on
 one draft a step while a copied span ramps back up within two steps.
 """
 
@@ -25,9 +25,9 @@ import torch
 from dsinfer.worker.input_batch import ModelInput
 from dsinfer.worker.step_io import ModelRunnerOutput
 
-# A step's rows with drafts stay within this many: under load the batch's own rows already
-# keep the weights busy, and drafts beyond it would push the projections past their few-row
-# kernel (16 streams: no drafts at all).
+# A step's rows with drafts stay within this many: under load each step already reads the
+# weights once for many requests' tokens, and draft rows there would mostly add work (16
+# streams: no drafts at all).
 MAX_STEP_ROWS = 16
 
 
@@ -39,12 +39,11 @@ class _NgramIndex:
         self.sizes = range(min_ngram, max_ngram + 1)
         self.after: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `after`
-        self.k = k  # the most it drafts
         self.length = k  # what it drafts next
 
-    def verified(self, drafted: int, accepted: int) -> None:
-        """The last step checked `drafted` drafts and kept `accepted` of them."""
-        self.length = min(self.k, 2 * self.length) if accepted == drafted else accepted + 1
+    def verified(self, drafted: int, accepted: int, k: int) -> None:
+        """The last step checked `drafted` drafts and kept `accepted` of them; k: the most."""
+        self.length = min(k, 2 * self.length) if accepted == drafted else accepted + 1
 
     def lookup(self, history: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of history's longest
@@ -57,7 +56,7 @@ class _NgramIndex:
             for n in self.sizes:
                 if end >= n:
                     self.after[tuple(history[end - n : end])] = end
-        self.indexed = max(self.indexed, len(history))
+        self.indexed = len(history)
         for n in reversed(self.sizes):
             if len(history) >= n and (at := self.after.get(tuple(history[-n:]))) is not None:
                 return history[at : at + k]
@@ -103,7 +102,7 @@ class NgramDrafter:
             if index is None:
                 index = self._index[rid] = _NgramIndex(self.min_ngram, self.max_ngram, self.k)
             if s.num_draft:
-                index.verified(s.num_draft, len(result.bonus.get(rid, [])))
+                index.verified(s.num_draft, len(result.bonus.get(rid, [])), self.k)
             if share < 1:
                 continue  # (its index catches up at the next lookup)
             draft = index.lookup(self.history(rid), min(index.length, share))

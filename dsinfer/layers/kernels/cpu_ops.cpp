@@ -523,9 +523,9 @@ void head_scores_bf16(const float* q, int64_t G, int64_t len, int64_t bs, const 
 // pb: G rows of len + 1 bf16 probabilities (the last one zero, for an odd tail).
 // When the GT (= G) heads' 2·V2 sums each fit in 24 of the 32 vector registers (the rest hold
 // a pair's rows), a pair's unpacked rows serve every head straight from registers; otherwise
-// they are unpacked once into `pairs` and each head walks them. The same products are added in the same order either way: the register
-// loop does ~20% fewer instructions a cached token (no stores and reloads of the unpacked pairs;
-// SmolLM2's G = 3, D = 64: 12 sums).
+// they are unpacked once into `pairs` and each head walks them. The same products are added
+// in the same order either way: the register loop does ~20% fewer instructions a cached token
+// (no stores and reloads of the unpacked pairs; SmolLM2's G = 3, D = 64: 12 sums).
 template <int V2, int GT, typename Block>
 void head_values_bf16(const c10::BFloat16* pb, int64_t G, int64_t len, int64_t bs, const Block& value,
                       float* out, c10::BFloat16* buf, c10::BFloat16* pairs, NextTaskPages* ahead) {
