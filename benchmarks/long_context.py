@@ -25,20 +25,13 @@ import sys
 from pathlib import Path
 
 import torch
+from serve_compare import llama_cpp_tool  # this folder's (scripts run as benchmarks/NAME.py)
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.models.loader import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILD_SCRIPT = ROOT.parent / "shared" / "tools" / "build_llama_server.sh"
 TEXT = ROOT / "tests" / "data" / "long_text.txt"
-
-
-def llama_bench_path(given: str | None) -> str:
-    if given:
-        return given
-    out = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=True)
-    return str(Path(out.stdout.strip().splitlines()[-1]) / "llama-bench")
 
 
 def llama_side(bench: str, gguf: str, depths: list[int], new: int) -> dict[int, dict[str, float]]:
@@ -87,7 +80,7 @@ def main() -> int:
     args = p.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     torch.set_num_threads(2)
-    bench = llama_bench_path(args.llama_bench)
+    bench = llama_cpp_tool("llama-bench", args.llama_bench)
     gguf = str(resolve_model_path("smollm2"))
     llm = LLM("smollm2", enable_prefix_caching=False)
     ids = llm.tokenizer.encode(TEXT.read_text())

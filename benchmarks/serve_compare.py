@@ -128,11 +128,13 @@ def run_server(name: str, cmd: list[str], url: str, levels: list[int], args, log
         log.close()
 
 
-def llama_server_path(given: str | None) -> str:
+def llama_cpp_tool(name: str, given: str | None = None) -> str:
+    """`given`, else llama.cpp's `name` (llama-server, llama-bench) from
+    ../shared/tools/build_llama_server.sh's build (built the first time, ~10 minutes)."""
     if given:
         return given
     out = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=True)
-    return str(Path(out.stdout.strip().splitlines()[-1]) / "llama-server")
+    return str(Path(out.stdout.strip().splitlines()[-1]) / name)
 
 
 def config_name(extra: str) -> str:
@@ -256,7 +258,7 @@ def main() -> int:
     gguf = str(resolve_model_path("smollm2"))
     url = f"http://127.0.0.1:{args.port}"
     llama = [
-        llama_server_path(args.llama_server),
+        llama_cpp_tool("llama-server", args.llama_server),
         "-m",
         gguf,
         "-t",
