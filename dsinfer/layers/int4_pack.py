@@ -6,8 +6,9 @@ rows and per input k, 32 bytes (byte j: output j in the low nibble, 32 + j in th
 and scalar builds use 32- and 16-row blocks. A packed tensor is right only for a process whose
 torch packs the same way (measured: AVX-512 bytes under ATEN_CPU_CAPABILITY=avx2 give a
 relative error of 1.5). Artifacts record the layout they were packed in (`int4_pack_layout`);
-a process that packs otherwise converts them at load (`int4_to_this_layout`), and our kernels
-that read these bytes (VNNI repacking, widening) run only where torch writes 64-row blocks.
+a process that packs otherwise converts them at load (`int4_to_this_layout`). Our repacking
+for the fused int4 kernels reads 64- and 32-row blocks (`int4_block_rows`); the widening of
+torch's own layout for a dense GEMM, 64-row blocks only.
 """
 
 from __future__ import annotations
@@ -20,46 +21,78 @@ import torch
 BLOCKS64 = "torch-cpu-blocks64"
 
 
-def pack_blocks64(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., O, K] (0..15) → the 64-row-block bytes [..., O, K / 2] (O a multiple of 64)."""
+# The layout of AVX2 builds: the same scheme in blocks of 32 rows (named by torch's capability,
+# as artifacts compiled on such machines record it).
+BLOCKS32 = "torch-cpu-avx2"
+_BLOCK_ROWS = {BLOCKS64: 64, BLOCKS32: 32}
+
+
+def pack_blocks(codes: torch.Tensor, rows: int = 64) -> torch.Tensor:
+    """Codes [..., O, K] (0..15) → torch's bytes in blocks of `rows` output rows [..., O, K / 2]
+    (O a multiple of rows): per block and input k, rows / 2 bytes, byte j holding output j in
+    the low nibble and rows / 2 + j in the high one."""
     *lead, o, k = codes.shape
-    blocks = codes.to(torch.uint8).reshape(*lead, o // 64, 64, k).transpose(-1, -2)  # [.., K, 64]
-    return (blocks[..., :32] | (blocks[..., 32:] << 4)).reshape(*lead, o, k // 2)
+    blocks = codes.to(torch.uint8).reshape(*lead, o // rows, rows, k).transpose(-1, -2)
+    half = rows // 2  # blocks: [..., O/rows, K, rows]
+    return (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(*lead, o, k // 2)
+
+
+def unpack_blocks(packed: torch.Tensor, rows: int = 64) -> torch.Tensor:
+    """The inverse of `pack_blocks`: [..., O, K / 2] → codes [..., O, K] (uint8)."""
+    *lead, o, half = packed.shape
+    if o % rows:
+        raise ValueError(
+            f"an int4 weight of {o} output rows (not a multiple of {rows}) cannot be cut for "
+            f"tensor parallelism or unpacked from torch's {rows}-row blocks: serve it in one "
+            "process on a machine like the one it was compiled on, or compile an int8 artifact"
+        )
+    k = 2 * half
+    blocks = packed.reshape(*lead, o // rows, k, rows // 2)  # [..., O/rows, K, rows/2]
+    codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [..., O/rows, K, rows]
+    return codes.transpose(-1, -2).reshape(*lead, o, k)
+
+
+def pack_blocks64(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., O, K] → the 64-row-block bytes [..., O, K / 2] (O a multiple of 64)."""
+    return pack_blocks(codes, 64)
 
 
 def unpack_blocks64(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack_blocks64`: [..., O, K / 2] → codes [..., O, K] (uint8)."""
-    *lead, o, half = packed.shape
-    if o % 64:
-        raise ValueError(
-            f"an int4 weight of {o} output rows (not a multiple of 64) cannot be cut for tensor "
-            "parallelism or unpacked from torch's 64-row blocks: serve it in one process on a "
-            "machine like the one it was compiled on, or compile an int8 artifact"
-        )
-    k = 2 * half
-    blocks = packed.reshape(*lead, o // 64, k, 32)  # [..., O/64, K, 32]
-    codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [..., O/64, K, 64]
-    return codes.transpose(-1, -2).reshape(*lead, o, k)
+    """The inverse of `pack_blocks64`."""
+    return unpack_blocks(packed, 64)
 
 
 @functools.cache
 def int4_pack_layout() -> str:
-    """How this process's torch packs int4 weights: BLOCKS64, or its CPU capability's name."""
+    """How this process's torch packs int4 weights: BLOCKS64, or its CPU capability's name
+    (BLOCKS32 on AVX2 builds)."""
     probe = (torch.arange(128 * 64) * 7 % 16).view(128, 64)
-    if torch.equal(torch._convert_weight_to_int4pack_for_cpu(probe.int(), 1), pack_blocks64(probe)):
+    packed = torch._convert_weight_to_int4pack_for_cpu(probe.int(), 1)
+    if torch.equal(packed, pack_blocks(probe, 64)):
         return BLOCKS64
-    return f"torch-cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+    name = f"torch-cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+    if name == BLOCKS32 and not torch.equal(packed, pack_blocks(probe, 32)):
+        return name + "-unknown"  # a torch that packs AVX2 otherwise: never read as blocks32
+    return name
+
+
+def int4_block_rows() -> int | None:
+    """The rows of the blocks this process's torch packs int4 weights in, where we can read
+    them (our repacking, tensor-parallel cuts): 64 (AVX-512 builds) or 32 (AVX2); else None."""
+    return _BLOCK_ROWS.get(int4_pack_layout())
 
 
 def int4pack_codes(packed: torch.Tensor) -> torch.Tensor:
     """This process's torch int4pack [..., O, K / 2] → the codes [..., O, K] (uint8, 0..15), for
     a tensor-parallel cut (taken on the codes, then packed again by `int4pack_from_codes`)."""
-    if int4_pack_layout() != BLOCKS64:
+    rows = int4_block_rows()
+    if rows is None:
         raise ValueError(
-            "tensor-parallel cuts of int4 weights read torch's 64-row blocks (AVX-512 builds); "
-            f"this torch packs {int4_pack_layout()}: serve in one process, or compile int8"
+            "tensor-parallel cuts of int4 weights read torch's 64- or 32-row blocks (AVX-512 "
+            f"and AVX2 builds); this torch packs {int4_pack_layout()}: serve in one process, "
+            "or compile int8"
         )
-    return unpack_blocks64(packed)
+    return unpack_blocks(packed, rows)
 
 
 def int4pack_from_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -75,9 +108,9 @@ def int4_to_this_layout(packed: torch.Tensor, layout: str) -> torch.Tensor:
     here = int4_pack_layout()
     if layout == here:
         return packed
-    if layout != BLOCKS64:
+    if layout not in _BLOCK_ROWS:
         raise ValueError(
             f"int4 weights packed as {layout} cannot be read by this torch ({here}): compile "
             "the artifact on this machine"
         )
-    return int4pack_from_codes(unpack_blocks64(packed))
+    return int4pack_from_codes(unpack_blocks(packed, _BLOCK_ROWS[layout]))

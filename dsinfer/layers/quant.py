@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from dsinfer.config import QUANTISED_SCHEMES
-from dsinfer.layers.int4_pack import BLOCKS64, int4_pack_layout, int4pack_codes, int4pack_from_codes
+from dsinfer.layers.int4_pack import (
+    BLOCKS64,
+    int4_block_rows,
+    int4_pack_layout,
+    int4pack_codes,
+    int4pack_from_codes,
+)
 from dsinfer.layers.linear import Linear, LinearMethod, ProgramOperand
 from dsinfer.layers.moe import ExpertsMethod, RoutedExperts
 
@@ -66,14 +72,23 @@ def _int4_kernels(
     """The fused backend's choice for int4 weights of these output row counts (a Linear, or
     both stacks of the routed experts): (rows from which to widen for a dense GEMM, 0: never;
     whether to repack for the fused int4 kernels, int4_bf16_linear and the widening)."""
-    ok = (
-        _fused_cpu(kernels_name, device_type)
-        and all(o % 64 == 0 for o in out_rows)
-        and int4_pack_layout() == BLOCKS64  # what our widening and repacking read
-        and torch.ops.dsinfer.int4_dense_supported()
+    fused = _fused_cpu(kernels_name, device_type) and all(o % 64 == 0 for o in out_rows)
+    # Repacking reads torch's 64- or 32-row blocks; our int4 kernels exist for AVX-512 (VNNI,
+    # BF16) and for AVX2 + FMA.
+    repack = (
+        fused
+        and group_size == 32
+        and int4_block_rows() is not None
+        and torch.ops.dsinfer.int4_vnni_supported()
     )
-    repack = ok and group_size == 32 and torch.ops.dsinfer.int4_vnni_supported()
-    return (_INT4_DENSE_FROM_ROWS if ok else 0), repack
+    # Widening for a dense bf16 GEMM: only where bf16 GEMMs are fast (AVX-512 BF16; on an
+    # AVX2 CPU torch's bf16 GEMM runs at ~1 GFLOP/s, and the int4 kernel takes every row).
+    dense = (
+        fused
+        and torch.ops.dsinfer.int4_dense_supported()
+        and (torch.ops.dsinfer.int8_vnni_supported() if repack else int4_pack_layout() == BLOCKS64)
+    )
+    return (_INT4_DENSE_FROM_ROWS if dense else 0), repack
 
 
 def int8_mm(
@@ -209,7 +224,7 @@ class Int8LinearMethod(LinearMethod):
             and layer.out_features >= _FUSED_INT8_MIN_OUT
             and layer.out_features % 16 == 0
             and layer.in_features % 32 == 0
-            and torch.ops.dsinfer.int4_vnni_supported()
+            and torch.ops.dsinfer.int8_vnni_supported()
         ):
             self._repack_for_vnni(layer)
 
@@ -314,7 +329,7 @@ class Int4LinearMethod(LinearMethod):
         if self.vnni:
             return
         codes, sz = torch.ops.dsinfer.int4_vnni_pack(
-            layer.qweight.data, self.group_size, layer.scales_zeros.data
+            layer.qweight.data, self.group_size, layer.scales_zeros.data, int4_block_rows()
         )
         layer.qweight = nn.Parameter(codes, requires_grad=False)  # [O/16, K/8, 64]
         layer.scales_zeros = nn.Parameter(sz, requires_grad=False)  # [O/16, G, 2, 16] bf16
@@ -486,7 +501,8 @@ class Int4ExpertsMethod(ExpertsMethod):
         for which in ("13", "2"):
             q, sz = getattr(experts, f"q{which}").data, getattr(experts, f"sz{which}").data
             pack = torch.ops.dsinfer.int4_vnni_pack
-            parts = [pack(q[e], self.group_size, sz[e]) for e in range(q.shape[0])]
+            rows = int4_block_rows()
+            parts = [pack(q[e], self.group_size, sz[e], rows) for e in range(q.shape[0])]
             for name, i in ((f"q{which}", 0), (f"sz{which}", 1)):
                 stacked = torch.stack([p[i] for p in parts])
                 setattr(experts, name, nn.Parameter(stacked, requires_grad=False))

@@ -177,17 +177,20 @@ def test_int4_codes_unpack_and_pack_as_torch_does() -> None:
     assert packed.shape == (3, 128, 48)
     assert torch.equal(packed[1], torch._convert_weight_to_int4pack_for_cpu(codes[1].int(), 1))
     assert torch.equal(int4pack_codes(packed), codes)
-    with pytest.raises(ValueError, match="not a multiple of 64"):
+    with pytest.raises(ValueError, match="not a multiple of (64|32)"):
         int4pack_codes(int4pack_from_codes(codes[:, :48]))
 
 
 def test_the_64_row_block_layout_is_what_this_torch_writes() -> None:
-    """Our reading of torch's AVX-512 int4 layout (what artifacts store, what our kernels read)
-    is exact: packing and unpacking invert each other, and where torch reports this layout
-    (the project's machines) its own packing gives the same bytes."""
+    """Our reading of torch's int4 layouts (what artifacts store, what our kernels read) is
+    exact: packing and unpacking invert each other, and torch's own packing gives the bytes of
+    64-row blocks on AVX-512 builds, of 32-row blocks on AVX2 ones."""
     from dsinfer.layers.int4_pack import (
+        BLOCKS32,
         BLOCKS64,
+        int4_block_rows,
         int4_pack_layout,
+        pack_blocks,
         pack_blocks64,
         unpack_blocks64,
     )
@@ -197,7 +200,24 @@ def test_the_64_row_block_layout_is_what_this_torch_writes() -> None:
     assert torch.equal(unpack_blocks64(packed), codes.to(torch.uint8))
     torch_packed = torch._convert_weight_to_int4pack_for_cpu(codes[0].int(), 1)
     assert torch.equal(torch_packed, packed[0]) == (int4_pack_layout() == BLOCKS64)
-    assert int4_pack_layout() == BLOCKS64  # AVX-512 here and in CI: the fast path is tested
+    assert torch.equal(torch_packed, pack_blocks(codes[0], 32)) == (int4_pack_layout() == BLOCKS32)
+    # AVX-512 (64-row blocks) or AVX2 (32) here and in CI: our repacking reads either, so the
+    # fused int4 kernels are what the tests run.
+    assert int4_block_rows() == (64 if int4_pack_layout() == BLOCKS64 else 32)
+
+
+@pytest.mark.parametrize("layout", ["torch-cpu-blocks64", "torch-cpu-avx2"])
+def test_an_artifacts_int4_bytes_convert_from_either_layout(layout: str) -> None:
+    """An int4 artifact records the layout it was packed in; either known one (compiled on an
+    AVX-512 or an AVX2 machine) converts to this process's bytes for the same codes, and an
+    unknown one is refused by name."""
+    from dsinfer.layers.int4_pack import int4_to_this_layout, int4pack_from_codes, pack_blocks
+
+    codes = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(7))
+    stored = pack_blocks(codes, 64 if layout.endswith("blocks64") else 32)
+    assert torch.equal(int4_to_this_layout(stored, layout), int4pack_from_codes(codes))
+    with pytest.raises(ValueError, match="torch-cpu-default cannot be read"):
+        int4_to_this_layout(stored, "torch-cpu-default")
 
 
 @pytest.mark.parametrize("kernels_name", ["reference", "fused"])

@@ -9,8 +9,22 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+// The quantised matmuls' instruction sets. AVX-512 with VNNI and BF16 (Intel since Cooper
+// Lake, AMD since Zen 4) has its own kernels; CPUs with AVX2 and FMA only (AMD Zen 2/3, Intel
+// before Ice Lake: many of the machines people have) have theirs, over the same packed layout.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define DSINFER_AVX512_VNNI_BF16 1
+#else
+#define DSINFER_AVX512_VNNI_BF16 0
+#endif
+#if !DSINFER_AVX512_VNNI_BF16 && defined(__AVX2__) && defined(__FMA__)
+#define DSINFER_INT4_AVX2 1
+#else
+#define DSINFER_INT4_AVX2 0
 #endif
 
 #include <algorithm>
@@ -1465,6 +1479,16 @@ at::Tensor mla_expand_output(const at::Tensor& o_lat, const at::Tensor& kv_b, in
   return out;
 }
 
+#if defined(__AVX2__)
+// The sum of a vector's 8 lanes.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // out[m] = sum_k x[m, k] * w[k] for m < M: each weight is widened once for all rows (M is a
 // template argument so that the accumulators stay in registers). Two accumulators per row
 // (even and odd blocks of 16): one FMA chain per row would wait on the FMA latency (4 cycles)
@@ -1488,6 +1512,25 @@ inline void dot_i8_rows(const float* x, const int8_t* w, int64_t k, float* out) 
     for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * k + i), wf, acc[m]);
   }
   for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The same on 8 lanes (AVX2 CPUs: without it the LM head ran as scalar code, 17 ms a token
+  // for SmolLM2's 28 MB head on a Zen 2).
+  __m256 acc[M], acc2[M];
+  for (int m = 0; m < M; ++m) acc[m] = acc2[m] = _mm256_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)(w + i));
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    for (int m = 0; m < M; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + i), w0, acc[m]);
+      acc2[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + i + 8), w1, acc2[m]);
+    }
+  }
+  for (; i + 8 <= k; i += 8) {
+    const __m256 wf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + i))));
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * k + i), wf, acc[m]);
+  }
+  for (int m = 0; m < M; ++m) out[m] = hsum8(_mm256_add_ps(acc[m], acc2[m]));
 #else
   for (int m = 0; m < M; ++m) out[m] = 0.f;
 #endif
@@ -1535,6 +1578,33 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     });
   });
   return out;
+}
+
+// The loop the int8 × int8 and int4 × bf16 kernels share: every block of 16 outputs, every
+// chunk of rows (the block's weights stay in cache for all of them). block(ob, m0, rows, tile)
+// fills tile[rows][16]; store(m, ob, t) writes row m's 16 outputs of block ob from t[16].
+template <int Wide = 4, typename Block, typename Store>
+inline void for_output_blocks(int64_t M, int64_t OB, int64_t grain, Block&& block, Store&& store) {
+  at::parallel_for(0, OB, grain, [&](int64_t ob0, int64_t ob1) {
+    float tile[Wide * 16];
+    for (int64_t ob = ob0; ob < ob1; ++ob)
+      in_row_chunks<Wide>(M, [&](int64_t m0, auto rows) {
+        block(ob, m0, rows, tile);
+        for (int64_t m = 0; m < decltype(rows)::value; ++m) store(m0 + m, ob, tile + m * 16);
+      });
+  });
+}
+
+// dst[0..16) = v rounded to T (one vector store for fp32 and bf16).
+template <typename T>
+inline void store_row16(T* dst, const float* v) {
+#if defined(__AVX512F__)
+  if constexpr (kAvxElement<T>) {
+    store16(dst, _mm512_loadu_ps(v));
+    return;
+  }
+#endif
+  for (int64_t l = 0; l < 16; ++l) dst[l] = from_f32<T>(v[l]);
 }
 
 // ---- int4 → dense bf16 for many rows (prefill) --------------------------------------------
@@ -1607,31 +1677,31 @@ at::Tensor int4_dequantize_t(const at::Tensor& qweight, int64_t group, const at:
 // Layout (packed once after loading, int4_vnni_pack): codes [O/16, K/8, 64] uint8 — per
 // block of 16 outputs and 8 inputs, lane l's 4 bytes hold inputs k..k+3 (low nibbles) and
 // k+4..k+7 (high nibbles) of output l; scales [O/16, G, 2, 16] bf16 (s, then z).
-bool int4_vnni_supported() {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+bool int4_vnni_supported() { return DSINFER_AVX512_VNNI_BF16 || DSINFER_INT4_AVX2; }
+
+// The int8 × int8 LM head kernel and the packed int4 weight widened for a dense bf16 GEMM:
+// AVX-512 only (an AVX2 CPU has no fast bf16 GEMM: torch's runs at ~1 GFLOP/s on a Zen 2).
+bool int8_vnni_supported() { return DSINFER_AVX512_VNNI_BF16; }
 
 std::tuple<at::Tensor, at::Tensor> int4_vnni_pack(const at::Tensor& qweight, int64_t group,
-                                                  const at::Tensor& scales_zeros) {
+                                                  const at::Tensor& scales_zeros, int64_t block_rows) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
               "int4_vnni_pack: torch's packed uint8 [O, K / 2] expected");
   const int64_t O = qweight.size(0), K = qweight.size(1) * 2;
   TORCH_CHECK(group == 32 && O % 64 == 0 && K % group == 0, "int4_vnni_pack: groups of 32, O % 64");
+  TORCH_CHECK(block_rows == 64 || block_rows == 32, "int4_vnni_pack: torch's blocks of 64 or 32 rows");
   const int64_t G = K / group;
   TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == G && scales_zeros.size(1) == O,
               "int4_vnni_pack: scales_zeros [K / 32, O, 2]");
   auto codes = at::empty({O / 16, K / 8, 64}, qweight.options());
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
-  // torch's layout: per block of 64 outputs and input k, 32 bytes; byte j holds output j
-  // (low nibble) and output 32 + j (high nibble).
+  // torch's layout: per block of R outputs (64 on AVX-512 builds, 32 on AVX2) and input k,
+  // R / 2 bytes; byte j holds output j (low nibble) and output R / 2 + j (high nibble).
+  const int64_t R = block_rows, half = R / 2;
   const auto code = [&](int64_t o, int64_t k) -> uint8_t {
-    const uint8_t b = wp[(o / 64) * 32 * K + k * 32 + (o % 64) % 32];
-    return (o % 64) < 32 ? (b & 0x0F) : (b >> 4);
+    const uint8_t b = wp[(o / R) * half * K + k * half + (o % R) % half];
+    return (o % R) < half ? (b & 0x0F) : (b >> 4);
   };
   at::parallel_for(0, O / 16, 1, [&](int64_t ob0, int64_t ob1) {
     for (int64_t ob = ob0; ob < ob1; ++ob)
@@ -1693,31 +1763,6 @@ struct QuantizedRows {
   float* row_d(int64_t m) { return d.data() + m * G; }
   float* row_s(int64_t m) { return s.data() + m * G; }
 };
-
-// The loop the int8 × int8 and int4 × bf16 kernels share: every block of 16 outputs, every
-// chunk of rows (the block's weights stay in cache for all of them). block(ob, m0, rows, tile)
-// fills tile[rows][16]; store(m, ob, t) writes row m's 16 outputs of block ob from t[16].
-template <int Wide = 4, typename Block, typename Store>
-inline void for_output_blocks(int64_t M, int64_t OB, int64_t grain, Block&& block, Store&& store) {
-  at::parallel_for(0, OB, grain, [&](int64_t ob0, int64_t ob1) {
-    float tile[Wide * 16];
-    for (int64_t ob = ob0; ob < ob1; ++ob)
-      in_row_chunks<Wide>(M, [&](int64_t m0, auto rows) {
-        block(ob, m0, rows, tile);
-        for (int64_t m = 0; m < decltype(rows)::value; ++m) store(m0 + m, ob, tile + m * 16);
-      });
-  });
-}
-
-// dst[0..16) = v rounded to T (one vector store for fp32 and bf16).
-template <typename T>
-inline void store_row16(T* dst, const float* v) {
-  if constexpr (kAvxElement<T>) {
-    store16(dst, _mm512_loadu_ps(v));
-  } else {
-    for (int64_t l = 0; l < 16; ++l) dst[l] = from_f32<T>(v[l]);
-  }
-}
 
 inline __m512 load_bf16x16(const c10::BFloat16* p) { return load16(p); }
 
@@ -1841,9 +1886,116 @@ inline void bf16_block(const uint8_t* codes, const c10::BFloat16* sz, int64_t K,
 }
 #endif
 
+// ---- int4 × int16 dot products (AVX2 + FMA: CPUs without AVX-512) -----------------------
+// AVX2 has no bf16 dot product, and widening each code to fp32 for an FMA costs ~4 vector
+// instructions per 8 products. Here each group of 32 activations is quantised to int16 (scale
+// d = max|x| / 32767: an error of at most 2^-16 of the group's largest value, ~250× finer than
+// the bf16 rounding of the activations themselves; the int8 activations that cost perplexity,
+// above, are 256× coarser), and `vpmaddwd` multiplies 16 (code, activation) pairs into exact
+// int32 sums an instruction. Per group g and output o:
+//   Σ_k w[o,k] x[k] = s[g,o] · d · Σ_k q[o,k] xq[k] + (z[g,o] − 8 s[g,o]) · d · Σ_k xq[k]
+// Same packed layout as above: a lane's dword yields the 16-bit pairs (k, k+2), (k+1, k+3),
+// (k+4, k+6), (k+5, k+7), and the activations are laid out once per call in that pair order.
+// A row's arithmetic does not depend on the other rows of the call (batch invariance).
+#if DSINFER_INT4_AVX2
+struct I16PairRows {
+  int64_t K, G;
+  std::unique_ptr<int32_t[]> pairs;  // [M, K / 2]: two int16 activations a dword, codes' order
+  std::unique_ptr<float[]> scale;    // [M, G]: d
+  std::unique_ptr<float[]> sums;     // [M, G]: d · Σ xq (the sum of the values multiplied)
+
+  explicit I16PairRows(const at::Tensor& x)
+      : K(x.size(1)), G(x.size(1) / 32), pairs(new int32_t[x.size(0) * x.size(1) / 2]),
+        scale(new float[x.size(0) * G]), sums(new float[x.size(0) * G]) {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                "int4_bf16_linear: fp32 or bf16 rows expected");
+    const int64_t M = x.size(0);
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const void* xp = x.const_data_ptr();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      float v[32];
+      int16_t q[32];
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t at = m * K + g * 32;
+          if (bf16) widen(raw(static_cast<const c10::BFloat16*>(xp) + at), v, 32);
+          else std::memcpy(v, static_cast<const float*>(xp) + at, sizeof(v));
+          float amax = 0.f;
+          for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k]));
+          const float d = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+          int32_t total = 0;
+          for (int k = 0; k < 32; ++k) {
+            q[k] = static_cast<int16_t>(std::nearbyint(v[k] * inv));
+            total += q[k];
+          }
+          // Chunk c of 8 inputs, pair p: inputs (c·8 + a, c·8 + a + 2), a = 0, 1, 4, 5.
+          static constexpr int kFirst[4] = {0, 1, 4, 5};
+          int32_t* out = pairs.get() + at / 2;
+          for (int c = 0; c < 4; ++c)
+            for (int p = 0; p < 4; ++p) {
+              const int a = c * 8 + kFirst[p];
+              out[c * 4 + p] = static_cast<int32_t>(static_cast<uint16_t>(q[a]) |
+                                                    (static_cast<uint32_t>(static_cast<uint16_t>(q[a + 2])) << 16));
+            }
+          scale[m * G + g] = d;
+          sums[m * G + g] = d * static_cast<float>(total);
+        }
+    });
+  }
+  const int32_t* row(int64_t m) const { return pairs.get() + m * (K / 2); }
+  const float* row_scale(int64_t m) const { return scale.get() + m * G; }
+  const float* row_sums(int64_t m) const { return sums.get() + m * G; }
+};
+
+// 8 bf16 → fp32 (exact).
+inline __m256 load_bf16x8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// 16 outputs (one block) for M rows: out[m][16], in two halves of 8 outputs (a half's 32
+// bytes of each chunk: its 8 lanes). M ≤ 8 int32 sums, 4 unpacked code vectors and the mask
+// fit AVX2's 16 registers.
+template <int M>
+inline void i16_block(const uint8_t* codes, const c10::BFloat16* sz, int64_t K, const I16PairRows& x,
+                      int64_t m0, float* out) {
+  const __m256i mask = _mm256_set1_epi32(0x000F000F);
+  const int64_t G = K / 32;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256i dot[M];
+      for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_si256();
+      for (int64_t c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + (g * 4 + c) * 64 + h * 32));
+        const __m256i w0 = _mm256_and_si256(v, mask), w1 = _mm256_and_si256(_mm256_srli_epi32(v, 8), mask);
+        const __m256i w2 = _mm256_and_si256(_mm256_srli_epi32(v, 4), mask);
+        const __m256i w3 = _mm256_and_si256(_mm256_srli_epi32(v, 12), mask);
+        for (int m = 0; m < M; ++m) {
+          const int32_t* xp = x.row(m0 + m) + (g * 4 + c) * 4;
+          const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_set1_epi32(xp[0])),
+                                             _mm256_madd_epi16(w1, _mm256_set1_epi32(xp[1])));
+          const __m256i b = _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_set1_epi32(xp[2])),
+                                             _mm256_madd_epi16(w3, _mm256_set1_epi32(xp[3])));
+          dot[m] = _mm256_add_epi32(dot[m], _mm256_add_epi32(a, b));
+        }
+      }
+      const __m256 s = load_bf16x8(sz + g * 32 + h * 8), z = load_bf16x8(sz + g * 32 + 16 + h * 8);
+      const __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);  // z − 8 s
+      for (int m = 0; m < M; ++m) {
+        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.row_scale(m0 + m)[g]));
+        acc[m] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(dot[m]), acc[m]);
+        acc[m] = _mm256_fmadd_ps(zc, _mm256_set1_ps(x.row_sums(m0 + m)[g]), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * 16 + h * 8, acc[m]);
+  }
+}
+#endif
+
 // x [M, K] (fp32 or bf16) × the packed weight → [M, O] in x's dtype, activations unrounded.
 at::Tensor int4_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz) {
-  TORCH_CHECK(int4_vnni_supported(), "int4_bf16_linear: this build has no AVX512-VNNI/BF16");
+  TORCH_CHECK(int4_vnni_supported(), "int4_bf16_linear: this build has neither AVX512-VNNI/BF16 nor AVX2/FMA");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_bf16_linear: contiguous [M, K] expected");
   const int64_t M = x.size(0), K = x.size(1), OB = codes.size(0), O = OB * 16, G = K / 32;
   TORCH_CHECK(codes.size(1) * 8 == K && sz.size(1) == G, "int4_bf16_linear: shape mismatch");
@@ -1867,13 +2019,26 @@ at::Tensor int4_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const 
     for_output_blocks<8>(M, OB, 4, block,
                          [&](int64_t m, int64_t ob, const float* t) { store_row16(op + m * O + ob * 16, t); });
   });
+#elif DSINFER_INT4_AVX2
+  const I16PairRows xi(x);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const auto* szp = sz.data_ptr<c10::BFloat16>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_bf16_linear", [&] {
+    using T = scalar_t;
+    T* op = out.data_ptr<T>();
+    const auto block = [&](int64_t ob, int64_t m0, auto rows, float* tile) {
+      i16_block<decltype(rows)::value>(cp + ob * (K / 8) * 64, szp + ob * G * 32, K, xi, m0, tile);
+    };
+    for_output_blocks<8>(M, OB, 4, block,
+                         [&](int64_t m, int64_t ob, const float* t) { store_row16(op + m * O + ob * 16, t); });
+  });
 #endif
   return out;
 }
 
 // The packed weight widened to bf16 and transposed, [K, O], for one dense GEMM (prefill).
 at::Tensor int4_vnni_dequantize_t(const at::Tensor& codes, const at::Tensor& sz) {
-  TORCH_CHECK(int4_vnni_supported(), "int4_vnni_dequantize_t: this build has no AVX512-VNNI/BF16");
+  TORCH_CHECK(int8_vnni_supported(), "int4_vnni_dequantize_t: this build has no AVX512-VNNI/BF16");
   const int64_t OB = codes.size(0), K = codes.size(1) * 8, O = OB * 16, G = K / 32;
   auto out = at::empty({K, O}, codes.options().dtype(at::kBFloat16));
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
@@ -2022,7 +2187,7 @@ inline void vnni8_block(const uint8_t* wb, int64_t K, const int8_t* xq, const fl
 // no page faults: 3 MB written to memory outside the caches).
 at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                             bool fp32_out) {
-  TORCH_CHECK(int4_vnni_supported(), "int8_vnni_linear: this build has no AVX512-VNNI/BF16");
+  TORCH_CHECK(int8_vnni_supported(), "int8_vnni_linear: this build has no AVX512-VNNI/BF16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int8_vnni_linear: contiguous [M, K] expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "int8_vnni_linear: fp32 or bf16 activations");
@@ -2386,7 +2551,8 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("int4_dequantize_t(Tensor qweight, int group, Tensor scales_zeros) -> Tensor");
   m.def("int4_dense_supported() -> bool");
   m.def("int4_vnni_supported() -> bool");
-  m.def("int4_vnni_pack(Tensor qweight, int group, Tensor scales_zeros) -> (Tensor, Tensor)");
+  m.def("int8_vnni_supported() -> bool");
+  m.def("int4_vnni_pack(Tensor qweight, int group, Tensor scales_zeros, int block_rows=64) -> (Tensor, Tensor)");
   m.def("int4_vnni_dequantize_t(Tensor codes, Tensor sz) -> Tensor");
   m.def("int4_bf16_linear(Tensor x, Tensor codes, Tensor sz) -> Tensor");
   m.def("int8_vnni_pack(Tensor w) -> Tensor");
@@ -2422,6 +2588,7 @@ TORCH_LIBRARY(dsinfer, m) {
 TORCH_LIBRARY_IMPL(dsinfer, CatchAll, m) {
   m.impl("int4_dense_supported", &int4_dense_supported);
   m.impl("int4_vnni_supported", &int4_vnni_supported);
+  m.impl("int8_vnni_supported", &int8_vnni_supported);
   m.impl("paged_prefill_supported", &paged_prefill_supported);
   m.impl("mla_projections_supported", &mla_projections_supported);
 }
