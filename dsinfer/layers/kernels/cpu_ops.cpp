@@ -1544,6 +1544,11 @@ void int8_rows(const float* xp, const int8_t* wp, const float* sp, T* op, int64_
                int64_t o0, int64_t o1) {
   float dots[M];
   for (int64_t o = o0; o < o1; ++o) {
+#if !defined(__AVX512F__) && defined(__AVX2__)
+    // As the int4 kernel's codes (below): the row after next asked for ahead of its loads
+    // (SmolLM2's 28 MB head at one row, Zen 2: 2.5-2.6 → 1.8-2.2 ms).
+    for (int64_t j = 0; j < K; j += 64) _mm_prefetch((const char*)(wp + (o + 2) * K + j), _MM_HINT_T0);
+#endif
     dot_i8_rows<M>(xp, wp + o * K, K, dots);
     for (int m = 0; m < M; ++m) op[m * O + o] = from_f32<T>(dots[m] * sp[o]);
   }
@@ -1947,6 +1952,11 @@ struct I16PairRows {
   const float* row_sums(int64_t m) const { return sums.get() + m * G; }
 };
 
+// How far ahead of its loads the first half's pass asks for the codes (bytes): one core's
+// hardware prefetcher alone kept too few lines in flight (SmolLM2's 30 layers at one row,
+// weights from memory, Zen 2: 5.9-6.4 ms without, 5.1 at 1 KB ahead, 5.3-5.4 at 4 KB).
+constexpr int64_t kInt4Ahead = 1024;
+
 // 8 bf16 → fp32 (exact).
 inline __m256 load_bf16x8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -1967,6 +1977,7 @@ inline void i16_block(const uint8_t* codes, const c10::BFloat16* sz, int64_t K, 
       __m256i dot[M];
       for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_si256();
       for (int64_t c = 0; c < 4; ++c) {
+        if (h == 0) _mm_prefetch((const char*)(codes + (g * 4 + c) * 64 + kInt4Ahead), _MM_HINT_T0);
         const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + (g * 4 + c) * 64 + h * 32));
         const __m256i w0 = _mm256_and_si256(v, mask), w1 = _mm256_and_si256(_mm256_srli_epi32(v, 8), mask);
         const __m256i w2 = _mm256_and_si256(_mm256_srli_epi32(v, 4), mask);
