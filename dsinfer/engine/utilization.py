@@ -172,6 +172,16 @@ def peak_flops(profile: str | None, dtype, device_type: str) -> float:  # noqa: 
     p = _profile(profile, device_type)
     if p is not None:
         return p.flops_for(name)
+    import torch
+
+    from dsinfer.device import native_bf16_matmul
+
+    if dtype == torch.bfloat16 and not native_bf16_matmul(torch.device(device_type)):
+        # Without native bf16 GEMMs (AVX2 CPUs) torch emulates them at ~1 GFLOP/s: the probe
+        # took 19 s at start-up, and no kernel of ours runs at that rate (bf16 activations
+        # meet int4/int8 weights in our kernels, in integer or fp32 arithmetic). The fastest
+        # float GEMM the machine has, fp32, is its peak.
+        dtype, name = torch.float32, "float32"
     return _measured(name, lambda: _gemm_rate(dtype))
 
 

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from dsinfer.config import QUANTISED_SCHEMES, ModelConfig, parse_dtype
+from dsinfer.device import native_bf16_matmul
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import default_weight_loader, fused_target
 from dsinfer.layers.quant import has_method, plan_formats, prepare_quantized, quantize_model
@@ -310,6 +311,16 @@ def load_model(
     if scheme != "none" and dtype == "auto":
         dtype = torch.bfloat16  # the packed int8/int4 CPU kernels are vectorised for bf16
     tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)
+    if (
+        dtype == "auto"
+        and tdtype == torch.bfloat16
+        and not native_bf16_matmul(torch.device(device))
+    ):
+        # Float weights multiply in torch's GEMMs, which emulate bf16 at ~1 GFLOP/s on a CPU
+        # without AVX512-BF16 or AMX (fp32: 70-95): auto takes fp32 there (quantised weights
+        # keep bf16 activations, above: our kernels do their arithmetic in int or fp32).
+        logger.info("this CPU has no native bf16 GEMM (AVX512-BF16 or AMX): auto dtype is float32")
+        tdtype = torch.float32
     net = build_model(cfg, tdtype, device)  # parameters in the target dtype: no fp32 copy
     if random_weights:
         if random_quant in QUANTISED_SCHEMES:

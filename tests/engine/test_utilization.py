@@ -69,3 +69,22 @@ def test_device_memory_counters_only_where_the_device_has_them():
     from dsinfer.device import memory_stats
 
     assert memory_stats(torch.device("cpu")) is None  # the process collector covers the CPU
+
+
+def test_bf16_peak_without_native_bf16_gemms_is_the_fp32_gemm_rate(monkeypatch):
+    """On a CPU that only emulates bf16 GEMMs (AVX2: ~1 GFLOP/s) the probe measures fp32, the
+    fastest float GEMM there (and the one that does not take ~19 s at start-up); where bf16 is
+    native it measures bf16 itself."""
+    import torch
+
+    import dsinfer.device as device
+    from dsinfer.engine import utilization
+
+    measured: list[torch.dtype] = []
+    monkeypatch.setattr(utilization, "_probed", {})
+    monkeypatch.setattr(utilization, "_gemm_rate", lambda dtype: measured.append(dtype) or 1.0)
+    for native, want in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(device, "native_bf16_matmul", lambda dev, n=native: n)
+        utilization._probed.clear()
+        utilization.peak_flops(None, torch.bfloat16, "cpu")
+        assert measured[-1] == want

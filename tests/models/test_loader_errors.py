@@ -116,3 +116,26 @@ def test_auto_quantization_falls_back_to_floats_where_the_device_has_no_kernels(
     assert device_quantization("int4", "int4", "cuda") == "int4"
     with pytest.raises(ValueError, match="no int4 weight method for cuda"):
         quant_method("int4", 32, "cuda")
+
+
+def test_auto_dtype_of_a_bf16_checkpoint_is_float32_where_bf16_gemms_are_emulated(
+    tmp_path, monkeypatch
+):
+    """A bf16 checkpoint's float weights meet torch's GEMMs, which a CPU without AVX512-BF16 or
+    AMX runs at ~1 GFLOP/s in bf16: `auto` loads it in fp32 there, in bf16 where bf16 is
+    native; an explicit dtype is kept either way."""
+    import json
+
+    import torch
+
+    import dsinfer.models.loader as loader
+    from tests.helpers import tiny_llama_dir
+
+    path = tiny_llama_dir(tmp_path / "m")
+    cfg_file = path / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    for native, want in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(loader, "native_bf16_matmul", lambda dev, n=native: n)
+        assert loader.load_model(str(path)).dtype == want
+        assert loader.load_model(str(path), dtype="bfloat16").dtype == torch.bfloat16
