@@ -226,6 +226,52 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The same on 8 lanes, for CPUs without AVX-512 (SiLU·mul ran as scalar code there: 17 µs a
+// SmolLM2 row on a Zen 2).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+template <typename T>
+constexpr bool kAvx2Element = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+// fp32 → bf16 bits in the low half of each lane: round to nearest even, NaN → 0x7FC0 (torch's).
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+inline __m256 round8(__m256 v, const float*) { return v; }
+inline __m256 round8(__m256 v, const c10::BFloat16*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i w = bf16_bits8(v);  // 8 dwords → 8 words, in order
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storeu_si128((__m128i*)p, packed);
+}
+#endif
+
 template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
   // Rounded where the reference rounds (silu, then the product): in bf16 a single rounding
@@ -238,6 +284,16 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
       const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
       const __m512 silu = round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), g);
       store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
+    }
+  }
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kAvx2Element<T>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256 gv = load8(g + i);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      const __m256 silu = round8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)), g);
+      store8(o + i, _mm256_mul_ps(silu, load8(u + i)));
     }
   }
 #endif
