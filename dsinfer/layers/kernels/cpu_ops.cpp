@@ -1797,6 +1797,7 @@ at::Tensor int4_dequantize_t(const at::Tensor& qweight, int64_t group, const at:
 // Layout (packed once after loading, int4_vnni_pack): codes [O/16, K/8, 64] uint8 — per
 // block of 16 outputs and 8 inputs, lane l's 4 bytes hold inputs k..k+3 (low nibbles) and
 // k+4..k+7 (high nibbles) of output l; scales [O/16, G, 2, 16] bf16 (s, then z).
+// Whether int4_bf16_linear runs here: its AVX-512 or its AVX2 arithmetic (below).
 bool int4_vnni_supported() { return DSINFER_AVX512_VNNI_BF16 || DSINFER_INT4_AVX2; }
 
 // The int8 × int8 LM head kernel and the packed int4 weight widened for a dense bf16 GEMM:
@@ -2119,7 +2120,8 @@ inline void i16_block(const uint8_t* codes, const c10::BFloat16* sz, int64_t K, 
 }
 #endif
 
-// x [M, K] (fp32 or bf16) × the packed weight → [M, O] in x's dtype, activations unrounded.
+// x [M, K] (fp32 or bf16) × the packed weight → [M, O] in x's dtype; the activations as they
+// are with AVX-512, rounded to int16 per group of 32 with AVX2 (above).
 at::Tensor int4_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz) {
   TORCH_CHECK(int4_vnni_supported(), "int4_bf16_linear: this build has neither AVX512-VNNI/BF16 nor AVX2/FMA");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_bf16_linear: contiguous [M, K] expected");
