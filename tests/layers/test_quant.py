@@ -311,3 +311,24 @@ def test_int4_row_parallel_cut_through_a_group_is_refused(monkeypatch) -> None:
     lin.set_method(Int4LinearMethod(32))
     with pytest.raises(ValueError, match="int4 groups cannot be cut"):
         lin.local_part("scales_zeros", full["scales_zeros"])
+
+
+def test_int8_rows_without_native_bf16_gemms_take_the_packed_kernel(monkeypatch) -> None:
+    """Many bf16 rows × an int8 weight widen it for one bf16 GEMM where bf16 GEMMs are native;
+    where they are emulated (AVX2 CPUs: ~1 GFLOP/s) the packed kernel takes them, or an fp32
+    GEMM for shapes it cannot take — the same products either way, within bf16 rounding."""
+    from dsinfer.layers import quant
+
+    g = torch.Generator().manual_seed(4)
+    for in_f in (64, 40):  # 40: not a multiple of 16, the packed kernel's limit
+        w = torch.randint(-127, 128, (96, in_f), generator=g, dtype=torch.int8)
+        s = torch.rand(96, generator=g).to(torch.bfloat16)
+        x = torch.randn(20, in_f, generator=g).to(torch.bfloat16)
+        want = (x.double() @ w.double().t()) * s.double()
+        for native in (True, False):
+            monkeypatch.setattr(quant, "_native_bf16_cpu", lambda n=native: n)
+            got = quant.int8_mm(x, w, s)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0.5)
+            if not native and in_f % 16 == 0:
+                assert torch.equal(got, torch._weight_int8pack_mm(x, w, s))
