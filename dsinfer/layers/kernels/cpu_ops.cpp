@@ -90,19 +90,29 @@ inline c10::BFloat16 from_f32<c10::BFloat16>(float v) {
   return c10::BFloat16(store_f<uint16_t>(v), c10::BFloat16::from_bits());
 }
 
+// Cephes' expf constants, shared by exp_f32 and its vector versions (exp16, exp8), which take
+// the same steps: the input's clamp, log2(e), ln 2 in two parts, the polynomial's coefficients.
+struct CephesExp {
+  static constexpr float kLo = -87.3f, kHi = 88.7f, kLog2e = 1.44269504088896341f;
+  static constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  static constexpr float kPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                     4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+};
+
 // exp(x) (Cephes' expf: 2^n · e^r, |r| <= ln2 / 2, ~1 ulp) in plain arithmetic, so that the
 // loops using it vectorise (std::exp is a library call per element).
 inline float exp_f32(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  using C = CephesExp;
+  x = std::min(std::max(x, C::kLo), C::kHi);
+  const float n = std::floor(x * C::kLog2e + 0.5f);
+  float r = x - n * C::kLn2Hi;
+  r = r - n * C::kLn2Lo;
+  float p = C::kPoly[0];
+  p = p * r + C::kPoly[1];
+  p = p * r + C::kPoly[2];
+  p = p * r + C::kPoly[3];
+  p = p * r + C::kPoly[4];
+  p = p * r + C::kPoly[5];
   p = p * r * r + r + 1.f;
   const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -187,18 +197,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 #if defined(__AVX512F__)
 // Cephes' expf on 16 lanes (the scalar exp_f32, step for step).
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  using C = CephesExp;
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(C::kLo)), _mm512_set1_ps(C::kHi));
   const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _mm512_fmadd_ps(x, _mm512_set1_ps(C::kLog2e), _mm512_set1_ps(0.5f)),
       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(C::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(C::kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(C::kPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(C::kPoly[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
@@ -226,20 +233,17 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
 // The same on 8 lanes, for CPUs without AVX-512 (SiLU·mul ran as scalar code there: 17 µs a
 // SmolLM2 row on a Zen 2).
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  using C = CephesExp;
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(C::kLo)), _mm256_set1_ps(C::kHi));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(C::kLog2e), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(C::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(C::kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(C::kPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C::kPoly[i]));
   p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -2073,10 +2077,6 @@ struct I16PairRows {
 // weights from memory, Zen 2: 5.9-6.4 ms without, 5.1 at 1 KB ahead, 5.3-5.4 at 4 KB).
 constexpr int64_t kInt4Ahead = 1024;
 
-// 8 bf16 → fp32 (exact).
-inline __m256 load_bf16x8(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
 
 // 16 outputs (one block) for M rows: out[m][16], in two halves of 8 outputs (a half's 32
 // bytes of each chunk: its 8 lanes). M ≤ 8 int32 sums, 4 unpacked code vectors and the mask
@@ -2107,7 +2107,7 @@ inline void i16_block(const uint8_t* codes, const c10::BFloat16* sz, int64_t K, 
           dot[m] = _mm256_add_epi32(dot[m], _mm256_add_epi32(a, b));
         }
       }
-      const __m256 s = load_bf16x8(sz + g * 32 + h * 8), z = load_bf16x8(sz + g * 32 + 16 + h * 8);
+      const __m256 s = load8(sz + g * 32 + h * 8), z = load8(sz + g * 32 + 16 + h * 8);
       const __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);  // z − 8 s
       for (int m = 0; m < M; ++m) {
         const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.row_scale(m0 + m)[g]));
