@@ -28,6 +28,7 @@ class ProgramOperand:
     INT4_VNNI = 1  # a: codes, b: scales|zeros (int4_bf16_linear)
     INT8 = 2  # a: weight int8 [out, in], b: scales [out] (int8_mm's rules)
     INT8_VNNI = 3  # a: packed int8 [out/16, in/4, 64], b: scales [out] (int8_vnni_linear)
+    INT8_I16 = 4  # a: weight int8 [out, in], b: scales [out] (int8_i16_linear, AVX2)
 
     kind: int
     a: torch.Tensor

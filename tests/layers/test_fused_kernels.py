@@ -464,16 +464,84 @@ def test_int8_int8_dot_kernel_equals_its_definition(rows: int) -> None:
         )
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("out_f,in_f", [(97, 72), (64, 4128)])
+def test_int8_int16_dot_kernel_equals_its_definition(rows: int, out_f: int, in_f: int) -> None:
+    """The wide int8 layers' AVX2 kernel (the LM head under int4/int8 on a CPU without
+    AVX-512): each row of activations rounded to int16 with one scale, max|x| / 32767, exact
+    integer dots in torch's own int8 layout. Against that definition in fp64; against the
+    unrounded product within half a step a weight; a row's result does not depend on its
+    batch. Shapes: an odd output count (the last weight row pairs with itself), inputs not a
+    multiple of 16 (a scalar tail), and past 2048 inputs (the int32 sums are widened to fp32
+    every 2048)."""
+    from dsinfer.layers.quant import quantize_int8
+
+    if not torch.ops.dsinfer.int8_i16_supported():
+        pytest.skip("not an AVX2 build without AVX-512 VNNI/BF16: the head has int8_vnni_linear")
+    g = torch.Generator().manual_seed(11)
+    q = quantize_int8(torch.randn(out_f, in_f, generator=g), torch.float32)
+    x = torch.randn(rows, in_f, generator=g)
+    x[:, 7] = 9.0  # an outlier sets the row's step
+    amax = x.abs().amax(dim=1, keepdim=True)
+    d, xq = amax / 32767, torch.round(x * (32767 / amax))  # fp32, as the kernel rounds
+    w = q["qweight"].double() * q["scales"].double()[:, None]
+    want = (xq.double() @ q["qweight"].double().t()) * d.double() * q["scales"].double()
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = torch.ops.dsinfer.int8_i16_linear(xd, q["qweight"], q["scales"])
+        assert got.dtype == dtype and got.shape == (rows, out_f)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+        exact = xd.double() @ w.t()
+        half_step = xd.double().abs().amax(dim=1, keepdim=True) / 32767 / 2
+        bound = (
+            half_step * w.abs().sum(1)
+            + (2**-8 if dtype == torch.bfloat16 else 1e-5) * exact.abs()
+            + 1e-4
+        )
+        assert ((got.double() - exact).abs() <= bound).all()
+        alone = torch.cat(
+            [torch.ops.dsinfer.int8_i16_linear(r, q["qweight"], q["scales"]) for r in xd.split(1)]
+        )
+        assert torch.equal(got, alone)
+
+
+def test_wide_int8_layers_take_the_int16_kernel_on_avx2() -> None:
+    """A wide int8 layer under the fused backend on an AVX2 build keeps torch's layout and
+    answers as int8_i16_linear up to 64 rows, as int8_mm past them."""
+    from dsinfer.layers.quant import Int8LinearMethod, int8_mm, quantize_int8
+
+    if not torch.ops.dsinfer.int8_i16_supported():
+        pytest.skip("not an AVX2 build without AVX-512 VNNI/BF16: the head has int8_vnni_linear")
+    out_f, in_f = 8192, 96
+    g = torch.Generator().manual_seed(12)
+    q = quantize_int8(torch.randn(out_f, in_f, generator=g), torch.float32)
+    layer = Linear(in_f, out_f, method=Int8LinearMethod())
+    layer.qweight.data.copy_(q["qweight"])
+    layer.scales.data.copy_(q["scales"])
+    layer.use_kernels(FUSED_CPU, "cpu")
+    assert layer.method.i16 and not layer.method.vnni and torch.equal(layer.qweight, q["qweight"])
+    for rows in (1, 64, 65):
+        x = torch.randn(rows, in_f, generator=g).bfloat16()
+        want = (
+            torch.ops.dsinfer.int8_i16_linear(x, q["qweight"], q["scales"])
+            if rows <= 64
+            else int8_mm(x, q["qweight"], q["scales"], fused=True)
+        )
+        assert torch.equal(layer(x), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16, 65])
 def test_lm_heads_fp32_logits_are_its_output_widened(dtype: torch.dtype, rows: int) -> None:
-    """The LM head's logits in fp32 (apply_fp32): the kernel's fp32 output is its x-dtype
-    output widened, bit for bit, and the layer answers as `apply(...).float()` does at any
+    """The LM head's logits in fp32 (apply_fp32): the kernel's fp32 output (int8_vnni_linear
+    with AVX-512, int8_i16_linear with AVX2) is its x-dtype output widened, bit for bit, and the layer answers as `apply(...).float()` does at any
     row count (rows > 64 and layers with a bias take apply's path)."""
     from dsinfer.layers.quant import Int8LinearMethod, quantize_int8
 
-    if not torch.ops.dsinfer.int8_vnni_supported():
-        pytest.skip("no AVX512-VNNI/BF16 on this CPU: the head keeps torch's int8 layout")
+    vnni = torch.ops.dsinfer.int8_vnni_supported()
+    if not (vnni or torch.ops.dsinfer.int8_i16_supported()):
+        pytest.skip("neither AVX512-VNNI/BF16 nor AVX2: the head keeps the fp32 kernel")
     out_f, in_f = 8192, 64
     g = torch.Generator().manual_seed(7)
     q = quantize_int8(torch.randn(out_f, in_f, generator=g), torch.float32)
@@ -488,8 +556,9 @@ def test_lm_heads_fp32_logits_are_its_output_widened(dtype: torch.dtype, rows: i
         want = layer.method.apply(layer, x, layer.bias).float()
         got = layer.method.apply_fp32(layer, x, layer.bias)
         assert got.dtype == torch.float32 and torch.equal(got, want)
-    widened = torch.ops.dsinfer.int8_vnni_linear(x, layer.qweight, layer.scales, True)
-    narrow = torch.ops.dsinfer.int8_vnni_linear(x, layer.qweight, layer.scales)
+    kernel = torch.ops.dsinfer.int8_vnni_linear if vnni else torch.ops.dsinfer.int8_i16_linear
+    widened = kernel(x, layer.qweight, layer.scales, True)
+    narrow = kernel(x, layer.qweight, layer.scales)
     assert narrow.dtype == dtype and torch.equal(widened, narrow.float())
 
 

@@ -45,12 +45,14 @@ def _decode_hidden(engine: LLMEngine, prompts: list[list[int]], captured: bool) 
             engine.pool.free(table)
 
 
-def _assert_program_equals_eager(llm: LLM) -> None:
+def _assert_program_equals_eager(
+    llm: LLM, batches: tuple[tuple[int, ...], ...] = ((7,), (5, 9, 17))
+) -> None:
     runner = llm.engine.executor.runner
     assert runner.step_program and runner.model.step_program is not None
     g = torch.Generator().manual_seed(0)
     vocab = llm.engine.model_config.vocab_size
-    for lengths in ((7,), (5, 9, 17)):
+    for lengths in batches:
         prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
         captured = _decode_hidden(llm.engine, prompts, captured=True)
         eager = _decode_hidden(llm.engine, prompts, captured=False)
@@ -75,13 +77,20 @@ def test_smollm2_int4_program_equals_eager():
     assert_pool_clean(llm.engine)
 
 
-def _tiny(family: str, path, quantization: str, dtype: str, hidden: int = 64) -> LLM:  # noqa: ANN001
+def _tiny(
+    family: str,
+    path,  # noqa: ANN001
+    quantization: str,
+    dtype: str,
+    hidden: int = 64,
+    intermediate: int = 128,
+) -> LLM:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
         vocab_size=VOCAB,
         hidden_size=hidden,
-        intermediate_size=128,
+        intermediate_size=intermediate,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -105,6 +114,16 @@ def _tiny(family: str, path, quantization: str, dtype: str, hidden: int = 64) ->
 def test_tiny_program_equals_eager(tmp_path, family: str, quantization: str, dtype: str):
     """Dense weights with a qkv bias, int8 weights, fp32 activations."""
     _assert_program_equals_eager(_tiny(family, tmp_path, quantization, dtype))
+
+
+def test_wide_int8_program_equals_eager(tmp_path):
+    """int8 weights with a wide layer (gate|up: 8192 outputs, the kernels' "wide" rule: the
+    int8 × int8 kernel with AVX-512, the int16 one with AVX2) and a batch of 18 rows (past
+    the packed kernel's 16: on a CPU without native bf16 GEMMs, int8_mm's packed path)."""
+    llm = _tiny("llama", tmp_path, "int8", "bfloat16", intermediate=4096)
+    method = llm.engine.executor.runner.model.model.layers[0].mlp.gate_up_proj.method
+    assert method.vnni or method.i16 or not torch.ops.dsinfer.int8_i16_supported()
+    _assert_program_equals_eager(llm, ((7,), tuple(range(3, 21))))
 
 
 def test_program_off_and_reference_backend_stay_eager(tmp_path, caplog):

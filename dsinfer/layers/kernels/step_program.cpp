@@ -20,7 +20,7 @@ namespace {
 #define DSINFER_RANGE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
 // How a captured projection multiplies (the quantisation method of the layer says which).
-enum ProgramLinearKind : int64_t { kDense = 0, kInt4Vnni = 1, kInt8 = 2, kInt8Vnni = 3 };
+enum ProgramLinearKind : int64_t { kDense = 0, kInt4Vnni = 1, kInt8 = 2, kInt8Vnni = 3, kInt8I16 = 4 };
 
 struct ProgramLinear {
   int64_t kind = kDense;
@@ -30,6 +30,14 @@ struct ProgramLinear {
   c10::optional<at::Tensor> bias;
   int64_t dense_from_rows = 0;  // int4: widen to bf16 for one GEMM from this many rows
 };
+
+// device.native_bf16_matmul's answer (AVX512-BF16 or AMX), from the flags this library was
+// compiled with: -march=native on the machine it runs on (cpu_build.py).
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+constexpr bool kNativeBf16Gemm = true;
+#else
+constexpr bool kNativeBf16Gemm = false;
+#endif
 
 // The rules of the Python methods (quant.py: Int4LinearMethod.apply with the VNNI layout,
 // int8_mm with the fused kernels), row for row, so that a program and the eager path agree.
@@ -52,13 +60,24 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
         y = int4_bf16_linear(x, l.a, l.b);
       }
       break;
+    case kInt8I16:
+      if (rows <= 64) {  // quant.py's Int8LinearMethod.apply (AVX2), then int8_mm's rules
+        DSINFER_RANGE("dsinfer::int8_i16_linear");
+        y = int8_i16_linear(x, l.a, l.b, /*fp32_out=*/false);
+        break;
+      }
+      [[fallthrough]];
     case kInt8: {
       const int64_t O = l.a.size(0), K = l.a.size(1);
       if (rows == 1 || (rows <= 64 && O >= 8192)) {  // quant.py's int8_mm, rule for rule
         DSINFER_RANGE("dsinfer::int8_linear");
         y = int8_linear(x, l.a, l.b);
       } else if (rows < 16 && K % 16 == 0) {
-        y = at::_weight_int8pack_mm(x, l.a, l.b);
+        y = at::_weight_int8pack_mm(x, l.a, l.b.to(x.scalar_type()));
+      } else if (x.scalar_type() == at::kBFloat16 && !kNativeBf16Gemm) {
+        // No native bf16 GEMM here (AVX2): int8_mm's packed kernel or an fp32 GEMM.
+        y = K % 16 == 0 ? at::_weight_int8pack_mm(x, l.a, l.b.to(x.scalar_type()))
+                        : (at::mm(x.to(at::kFloat), l.a.to(at::kFloat).t()) * l.b.to(at::kFloat)).to(x.scalar_type());
       } else {
         y = at::mm(x, l.a.to(x.scalar_type()).t()) * l.b;
       }
@@ -105,7 +124,7 @@ struct DecodeProgram : torch::CustomClassHolder {
   void add_linear(int64_t kind, at::Tensor a, at::Tensor b, c10::optional<at::Tensor> bias,
                   int64_t dense_from_rows) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "step program: add_layer first");
-    TORCH_CHECK(kind >= kDense && kind <= kInt8Vnni, "step program: unknown kind ", kind);
+    TORCH_CHECK(kind >= kDense && kind <= kInt8I16, "step program: unknown kind ", kind);
     layers_.back().linears.push_back({kind, std::move(a), std::move(b), std::move(bias), dense_from_rows});
   }
 
