@@ -97,7 +97,7 @@ class LMHead(Linear):
         # A quantised head whose method reads rows keeps the only copy of a tied vocabulary:
         # the embedding looks its rows up there (the fused backend; -54 MiB for SmolLM2).
         rows = getattr(self.method, "rows", None)
-        if self._tied_to and rows is not None and getattr(self.method, "vnni", False):
+        if self._tied_to and rows is not None and getattr(self.method, "reads_rows", False):
             self._tied_to[0].read_rows_from(lambda ids, dtype: rows(self, ids, dtype))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -299,11 +299,23 @@ class Int8LinearMethod(LinearMethod):
             return _finish(y, x, None)
         return self.apply(layer, x, bias).float()
 
+    @property
+    def reads_rows(self) -> bool:
+        """Whether `rows` serves a tied embedding: once the fused backend took the layer (the
+        repacked layout, or torch's under the AVX2 kernel)."""
+        return self.vnni or self.i16
+
     def rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of the dequantised weight, W[ids] [T, in] in `dtype` (a tied embedding's
-        lookup, once the layer is repacked: LMHead.use_kernels asks only then)."""
-        assert self.vnni, "rows are read from the repacked layout"
-        return torch.ops.dsinfer.int8_vnni_rows(layer.qweight, layer.scales, ids, dtype)
+        """Rows of the dequantised weight, W[ids] [T, in] in `dtype`: w · s in fp32, rounded
+        once (a tied embedding's lookup: LMHead.use_kernels asks only when `reads_rows`)."""
+        assert self.reads_rows, "rows are read once the fused backend took the layer"
+        if self.vnni:
+            return torch.ops.dsinfer.int8_vnni_rows(layer.qweight, layer.scales, ids, dtype)
+        w = (
+            layer.qweight.index_select(0, ids).float()
+            * layer.scales.index_select(0, ids).float()[:, None]
+        )
+        return w.to(dtype)
 
     def program_operand(self, layer: nn.Module) -> ProgramOperand | None:
         # The program applies the same rules with the fused kernels (the fused backend only).

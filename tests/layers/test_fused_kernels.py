@@ -585,8 +585,8 @@ def test_argmax_kernel_is_torchs_argmax(vocab: int) -> None:
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 9])
-# lora 512: two vectors of lanes a pass (V2-Lite's); 48: a one-vector tail after one pass.
+@pytest.mark.parametrize("rows", [1, 2, 4, 9])
+# lora 512: whole passes of lanes (V2-Lite's); 48: one-vector passes after the first.
 @pytest.mark.parametrize("heads,nope,v,lora", [(16, 128, 128, 512), (3, 8, 12, 48)])
 def test_mla_projections_read_kv_b_as_the_reference_multiplies(
     weight_dtype: torch.dtype, rows: int, heads: int, nope: int, v: int, lora: int
@@ -595,7 +595,7 @@ def test_mla_projections_read_kv_b_as_the_reference_multiplies(
     kv_b_proj's weight in its own dtype equal the reference's einsums over an fp32 copy (the
     same products, summed in another order)."""
     if not torch.ops.dsinfer.mla_projections_supported(lora):
-        pytest.skip("no AVX-512 on this CPU: MLA's projections stay the reference's einsums")
+        pytest.skip("neither AVX-512 nor AVX2: MLA's projections stay the reference's einsums")
     g = torch.Generator().manual_seed(9)
     kv_b = (torch.randn(heads * (nope + v), lora, generator=g) * 0.05).to(weight_dtype)
     w = kv_b.float().view(heads, nope + v, lora)
@@ -617,8 +617,9 @@ def test_tied_embedding_reads_the_quantised_heads_rows() -> None:
     from dsinfer.layers.embedding import LMHead, VocabEmbedding
     from dsinfer.layers.quant import Int8LinearMethod, quantize_int8
 
-    if not torch.ops.dsinfer.int8_vnni_supported():
-        pytest.skip("no AVX512-VNNI/BF16 on this CPU: the head keeps torch's int8 layout")
+    vnni = torch.ops.dsinfer.int8_vnni_supported()
+    if not (vnni or torch.ops.dsinfer.int8_i16_supported()):
+        pytest.skip("neither AVX512-VNNI/BF16 nor AVX2: the head keeps the fp32 kernel")
     vocab, hidden = 8192, 64
     g = torch.Generator().manual_seed(6)
     for kernels, dropped in ((REFERENCE, False), (FUSED_CPU, True)):
@@ -639,10 +640,11 @@ def test_tied_embedding_reads_the_quantised_heads_rows() -> None:
             assert (got.float() - before.float()).abs().max() < 0.05  # int8 rows of the table
         else:
             assert torch.equal(got, before)
-    with pytest.raises(RuntimeError, match="out of range"):
-        torch.ops.dsinfer.int8_vnni_rows(
-            head.qweight, head.scales, torch.tensor([vocab]), torch.float32
-        )
+    if vnni:
+        with pytest.raises(RuntimeError, match="out of range"):
+            torch.ops.dsinfer.int8_vnni_rows(
+                head.qweight, head.scales, torch.tensor([vocab]), torch.float32
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

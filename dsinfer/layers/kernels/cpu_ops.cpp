@@ -1503,8 +1503,35 @@ inline void absorb_lanes(const X* q, int64_t q_stride, const W* w, int64_t nope,
   }
   for (int r = 0; r < M; ++r)
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + r * out_stride + l0 + 16 * c, acc[r][c]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // V vectors of 8 lanes here. Each lane sums over n in the same order as the AVX-512 code
+  // (one FMA a step): the same result on either CPU.
+  __m256 acc[M][V];
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < V; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t n = 0; n < nope; ++n) {
+    // A pass reads 8V lanes of every weight row, rows `lora` apart: asked for 8 rows ahead
+    // (V2-Lite's W_UK at one row: 229 → µs a layer; the hardware prefetcher missed the stride).
+    for (int c = 0; c < V * static_cast<int>(sizeof(W)) * 8; c += 64)
+      _mm_prefetch((const char*)(w + (n + 8) * lora + l0) + c, _MM_HINT_T0);
+    __m256 wv[V];
+    for (int c = 0; c < V; ++c) wv[c] = load8(w + n * lora + l0 + 8 * c);
+    for (int r = 0; r < M; ++r) {
+      const __m256 x = _mm256_set1_ps(f32(q[r * q_stride + n]));
+      for (int c = 0; c < V; ++c) acc[r][c] = _mm256_fmadd_ps(x, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < V; ++c) _mm256_storeu_ps(out + r * out_stride + l0 + 8 * c, acc[r][c]);
 #endif
 }
+
+// The lanes of one vector: absorb_lanes' V counts vectors of this many.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
 
 // out[r, j] = Σ_l o[r, l] · w[j, l] for M rows of o (fp32, `o_stride` apart), j < v.
 template <int M, typename W>
@@ -1520,6 +1547,29 @@ inline void expand_rows(const float* o, int64_t o_stride, const W* w, int64_t v,
     }
     for (int r = 0; r < M; ++r) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r]);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // A chains a row, so that few rows do not wait on the FMA latency at every step.
+  constexpr int A = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  for (int64_t j = 0; j < v; ++j) {
+    __m256 acc[M][A];
+    for (int r = 0; r < M; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+    int64_t l = 0;
+    for (; l + 8 * A <= lora; l += 8 * A)
+      for (int a = 0; a < A; ++a) {
+        const __m256 wv = load8(w + j * lora + l + 8 * a);
+        for (int r = 0; r < M; ++r)
+          acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(o + r * o_stride + l + 8 * a), wv, acc[r][a]);
+      }
+    for (; l < lora; l += 8) {
+      const __m256 wv = load8(w + j * lora + l);
+      for (int r = 0; r < M; ++r) acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(o + r * o_stride + l), wv, acc[r][0]);
+    }
+    for (int r = 0; r < M; ++r) {
+      for (int a = 1; a < A; ++a) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][a]);
+      out[r * out_stride + j] = hsum8(acc[r][0]);
+    }
+  }
 #endif
 }
 
@@ -1531,8 +1581,8 @@ void check_kv_b(const at::Tensor& kv_b, int64_t H, int64_t nope, int64_t v) {
 }
 
 bool mla_projections_supported(int64_t lora) {
-#if defined(__AVX512F__)
-  return lora % 16 == 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  return lora % kLanes == 0;
 #else
   return false;
 #endif
@@ -1545,7 +1595,7 @@ at::Tensor mla_absorb_query(const at::Tensor& q_nope, const at::Tensor& kv_b, in
               "q_nope must be fp32 or bf16");
   const int64_t B = q_nope.size(0), H = q_nope.size(1), nope = q_nope.size(2), lora = kv_b.size(1);
   check_kv_b(kv_b, H, nope, v_dim);
-  TORCH_CHECK(mla_projections_supported(lora), "mla_absorb_query: lora must be a multiple of 16 (AVX-512)");
+  TORCH_CHECK(mla_projections_supported(lora), "mla_absorb_query: lora must be a multiple of 16 (AVX-512) or 8 (AVX2)");
   auto out = at::empty({B, H, lora}, q_nope.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const auto run = [&](const auto* qp, const auto* wp) {
@@ -1560,12 +1610,13 @@ at::Tensor mla_absorb_query(const at::Tensor& q_nope, const at::Tensor& kv_b, in
           // contiguous bytes of each bf16 weight row a pass, eight independent FMA chains; with
           // 32 lanes a batch-1 pass waited on two chains and read 64 bytes a row: 94 → 51-56
           // µs a V2-Lite layer). Each lane still sums over n in order: the same result.
-          constexpr int VB = M <= 2 ? 8 : (M <= 4 ? 4 : 2);
+          // AVX2 has 16 registers of 8 lanes: M·VB sums, VB weight vectors and x fit at half
+          // of these counts.
+          constexpr int VB = (M <= 2 ? 8 : (M <= 4 ? 4 : 2)) / (kLanes == 16 ? 1 : 2);
           int64_t l0 = 0;
-          for (; l0 + 16 * VB <= lora; l0 += 16 * VB)
+          for (; l0 + kLanes * VB <= lora; l0 += kLanes * VB)
             absorb_lanes<M, VB>(q, H * nope, w, nope, lora, l0, o, H * lora);
-          for (; l0 + 32 <= lora; l0 += 32) absorb_lanes<M, 2>(q, H * nope, w, nope, lora, l0, o, H * lora);
-          if (l0 < lora) absorb_lanes<M, 1>(q, H * nope, w, nope, lora, l0, o, H * lora);
+          for (; l0 < lora; l0 += kLanes) absorb_lanes<M, 1>(q, H * nope, w, nope, lora, l0, o, H * lora);
         });
       }
     });
@@ -1588,7 +1639,7 @@ at::Tensor mla_expand_output(const at::Tensor& o_lat, const at::Tensor& kv_b, in
   const int64_t v = kv_b.size(0) / H - nope;
   TORCH_CHECK(v > 0, "kv_b has no value rows");
   check_kv_b(kv_b, H, nope, v);
-  TORCH_CHECK(mla_projections_supported(lora), "mla_expand_output: lora must be a multiple of 16 (AVX-512)");
+  TORCH_CHECK(mla_projections_supported(lora), "mla_expand_output: lora must be a multiple of 16 (AVX-512) or 8 (AVX2)");
   auto out = at::empty({B, H, v}, o_lat.options());
   const float* xp = o_lat.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -1802,16 +1853,18 @@ at::Tensor int8_i16_linear(const at::Tensor& x, const at::Tensor& w, const at::T
     using T = std::remove_pointer_t<decltype(op)>;
     // Tiles of 64 weight rows, as int8_linear's (every chunk of rows passes over a tile before
     // the next is read); within a tile, two weight rows at a time share each activation load,
-    // and the pair two ahead is asked for (one core's prefetcher alone: 1.8 → 1.1 ms for
-    // SmolLM2's head at one row, Zen 2).
+    // and a pair ahead is asked for (one core's prefetcher alone: 1.8 → 1.1 ms for SmolLM2's
+    // head at one row in a test harness, Zen 2).
     constexpr int64_t kTile = 64;
+    // The pair asked for: ~4 KB ahead (two pairs at K = 576, one at 2048).
+    const int64_t ahead = 2 * std::max<int64_t>(1, (4096 + K) / (2 * K));
     at::parallel_for(0, (O + kTile - 1) / kTile, 1, [&](int64_t t0, int64_t t1) {
       float dots[2 * 4];
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t o1 = std::min<int64_t>(O, (t + 1) * kTile);
         for (int64_t o = t * kTile; o < o1; o += 2) {
           for (int64_t j = 0; j < 2 * K; j += 64)
-            if (o + 4 < O) _mm_prefetch((const char*)(wp + (o + 4) * K + j), _MM_HINT_T0);
+            if (o + ahead + 1 < O) _mm_prefetch((const char*)(wp + (o + ahead) * K + j), _MM_HINT_T0);
           const int R = o + 1 < o1 ? 2 : 1;  // an odd last row pairs with itself
           in_row_chunks(M, [&](int64_t m0, auto rows) {
             constexpr int Mr = decltype(rows)::value;
