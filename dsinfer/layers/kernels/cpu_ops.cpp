@@ -1510,8 +1510,8 @@ inline void absorb_lanes(const X* q, int64_t q_stride, const W* w, int64_t nope,
   for (int r = 0; r < M; ++r)
     for (int c = 0; c < V; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t n = 0; n < nope; ++n) {
-    // A pass reads 8V lanes of every weight row, rows `lora` apart: asked for 8 rows ahead
-    // (V2-Lite's W_UK at one row: 229 → µs a layer; the hardware prefetcher missed the stride).
+    // A pass reads 8V lanes of every weight row, rows `lora` apart: asked for 8 rows ahead (the
+    // hardware prefetcher misses the stride; 16 ahead measured no better).
     for (int c = 0; c < V * static_cast<int>(sizeof(W)) * 8; c += 64)
       _mm_prefetch((const char*)(w + (n + 8) * lora + l0) + c, _MM_HINT_T0);
     __m256 wv[V];
@@ -1523,6 +1523,23 @@ inline void absorb_lanes(const X* q, int64_t q_stride, const W* w, int64_t nope,
   }
   for (int r = 0; r < M; ++r)
     for (int c = 0; c < V; ++c) _mm256_storeu_ps(out + r * out_stride + l0 + 8 * c, acc[r][c]);
+#endif
+}
+
+// One row over all lanes, weight rows in order (AVX2): the sums live in `out` (lora floats, in
+// L1) and each weight row is read front to back, where the lane-blocked passes above read a
+// strided strip of every row (V2-Lite's W_UK at batch 1, Zen 2: 186 → 133 µs a layer). Each lane sums over
+// n in the same order, one FMA a step: the same result.
+template <typename X, typename W>
+inline void absorb_row(const X* q, const W* w, int64_t nope, int64_t lora, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int64_t l = 0; l < lora; l += 8) _mm256_storeu_ps(out + l, _mm256_setzero_ps());
+  for (int64_t n = 0; n < nope; ++n) {
+    const __m256 x = _mm256_set1_ps(f32(q[n]));
+    const W* wr = w + n * lora;
+    for (int64_t l = 0; l < lora; l += 8)
+      _mm256_storeu_ps(out + l, _mm256_fmadd_ps(x, load8(wr + l), _mm256_loadu_ps(out + l)));
+  }
 #endif
 }
 
@@ -1602,7 +1619,7 @@ at::Tensor mla_absorb_query(const at::Tensor& q_nope, const at::Tensor& kv_b, in
     at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
       for (int64_t h = h0; h < h1; ++h) {
         const auto* w = wp + h * (nope + v_dim) * lora;  // W_UK: [nope, lora]
-        in_row_chunks<8>(B, [&](int64_t b0, auto rows) {
+        in_row_chunks<kLanes == 16 ? 8 : 4>(B, [&](int64_t b0, auto rows) {
           constexpr int M = decltype(rows)::value;
           const auto* q = qp + (b0 * H + h) * nope;
           float* o = op + (b0 * H + h) * lora;
@@ -1610,9 +1627,13 @@ at::Tensor mla_absorb_query(const at::Tensor& q_nope, const at::Tensor& kv_b, in
           // contiguous bytes of each bf16 weight row a pass, eight independent FMA chains; with
           // 32 lanes a batch-1 pass waited on two chains and read 64 bytes a row: 94 → 51-56
           // µs a V2-Lite layer). Each lane still sums over n in order: the same result.
-          // AVX2 has 16 registers of 8 lanes: M·VB sums, VB weight vectors and x fit at half
-          // of these counts.
-          constexpr int VB = (M <= 2 ? 8 : (M <= 4 ? 4 : 2)) / (kLanes == 16 ? 1 : 2);
+          // AVX2 (16 registers of 8 lanes, rows in chunks of 4): 8 sums, VB weight vectors and
+          // x (one row: each weight vector is used as soon as it is loaded).
+          constexpr int VB = kLanes == 16 ? (M <= 2 ? 8 : (M <= 4 ? 4 : 2)) : 8 / M;
+          if constexpr (kLanes == 8 && M == 1) {
+            absorb_row(q, w, nope, lora, o);
+            return;
+          }
           int64_t l0 = 0;
           for (; l0 + kLanes * VB <= lora; l0 += kLanes * VB)
             absorb_lanes<M, VB>(q, H * nope, w, nope, lora, l0, o, H * lora);
@@ -1621,12 +1642,16 @@ at::Tensor mla_absorb_query(const at::Tensor& q_nope, const at::Tensor& kv_b, in
       }
     });
   };
-  const bool q16 = q_nope.scalar_type() == at::kBFloat16, w16 = kv_b.scalar_type() == at::kBFloat16;
+  // AVX2: q widened once, so that each broadcast is a load (a bf16 one took three
+  // instructions for one FMA's worth of lanes; with the chunks of 4 rows, 16 rows of V2-Lite,
+  // Zen 2: 833 → 396 µs a layer).
+  const at::Tensor qx = kLanes == 8 ? q_nope.to(at::kFloat) : q_nope;
+  const bool q16 = qx.scalar_type() == at::kBFloat16, w16 = kv_b.scalar_type() == at::kBFloat16;
   using B16 = c10::BFloat16;
-  if (q16 && w16) run(q_nope.data_ptr<B16>(), kv_b.data_ptr<B16>());
-  else if (q16) run(q_nope.data_ptr<B16>(), kv_b.data_ptr<float>());
-  else if (w16) run(q_nope.data_ptr<float>(), kv_b.data_ptr<B16>());
-  else run(q_nope.data_ptr<float>(), kv_b.data_ptr<float>());
+  if (q16 && w16) run(qx.data_ptr<B16>(), kv_b.data_ptr<B16>());
+  else if (q16) run(qx.data_ptr<B16>(), kv_b.data_ptr<float>());
+  else if (w16) run(qx.data_ptr<float>(), kv_b.data_ptr<B16>());
+  else run(qx.data_ptr<float>(), kv_b.data_ptr<float>());
   return out;
 }
 
