@@ -243,10 +243,9 @@ class Int8LinearMethod(LinearMethod):
             and torch.ops.dsinfer.int8_vnni_supported()
         ):
             self._repack_for_vnni(layer)
-        elif wide and torch.ops.dsinfer.int8_i16_supported():
-            # AVX2: torch's layout as it is, int16 activations (cpu_ops.cpp: 16 rows of
-            # SmolLM2's head 7.6 → 6.5 ms, DeepSeek-V2's 57 → 43 ms, on a Zen 2).
-            self.i16 = True
+        # AVX2: torch's layout as it is, int16 activations (cpu_ops.cpp: 16 rows of SmolLM2's
+        # head 7.6 → 6.5 ms, DeepSeek-V2's 57 → 43 ms, on a Zen 2).
+        self.i16 = wide and not self.vnni and torch.ops.dsinfer.int8_i16_supported()
 
     def _repack_for_vnni(self, layer: nn.Module) -> None:
         """Post-load preparation of a wide layer (the LM head) for the int8 × int8 kernel: the

@@ -1528,8 +1528,8 @@ inline void absorb_lanes(const X* q, int64_t q_stride, const W* w, int64_t nope,
 
 // One row over all lanes, weight rows in order (AVX2): the sums live in `out` (lora floats, in
 // L1) and each weight row is read front to back, where the lane-blocked passes above read a
-// strided strip of every row (V2-Lite's W_UK at batch 1, Zen 2: 186 → 133 µs a layer). Each lane sums over
-// n in the same order, one FMA a step: the same result.
+// strided strip of every row (V2-Lite's W_UK at batch 1, Zen 2: 186 → 133 µs a layer). Each
+// lane sums over n in the same order, one FMA a step: the same result.
 template <typename X, typename W>
 inline void absorb_row(const X* q, const W* w, int64_t nope, int64_t lora, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
