@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -112,15 +113,13 @@ def int8_mm(
         # torch's packed kernel, streaming the weight faster at five of six shapes measured
         # (2816×2048: 183 → 143 µs, 576×1536: 31 → 20 µs; 1024×1024 a tie; docs/backends.md).
         return torch.ops.dsinfer.int8_linear(flat, qweight, scales)
-    packable = flat.shape[1] % 16 == 0
-    # torch's packed kernel takes scales in the activations' dtype only.
-    if rows < _INT8_DENSE_FROM_ROWS and packable:
+    # No native bf16 GEMM here (AVX2): the widened weight would meet torch's emulated one (64
+    # rows × 1536 × 576 on a Zen 2: 21.7 ms, the packed kernel 3.5, fp32 2.3).
+    emulated_bf16 = flat.dtype == torch.bfloat16 and not _native_bf16_cpu()
+    if flat.shape[1] % 16 == 0 and (rows < _INT8_DENSE_FROM_ROWS or emulated_bf16):
+        # torch's packed kernel takes scales in the activations' dtype only.
         return torch._weight_int8pack_mm(flat, qweight, scales.to(flat.dtype))
-    if flat.dtype == torch.bfloat16 and not _native_bf16_cpu():
-        # No native bf16 GEMM here (AVX2): the widened weight would meet torch's emulated one
-        # (64 rows × 1536 × 576 on a Zen 2: 21.7 ms, the packed kernel 3.5, fp32 2.3).
-        if packable:
-            return torch._weight_int8pack_mm(flat, qweight, scales.to(flat.dtype))
+    if emulated_bf16:
         return ((flat.float() @ qweight.float().t()) * scales.float()).to(flat.dtype)
     return (flat @ qweight.to(flat.dtype).t()) * scales
 
@@ -262,47 +261,46 @@ class Int8LinearMethod(LinearMethod):
         )
         layer.scales = nn.Parameter(torch.empty(out_features), requires_grad=False)
 
+    def _wide_kernel(self) -> Callable[..., torch.Tensor] | None:
+        """The fused kernel of a wide layer, for up to _FUSED_INT8_MAX_ROWS rows, or None:
+        int8 × int8 over the repacked weight (AVX-512: activations quantised per group of 32,
+        4x the rate of widening to fp32 at 16 rows), int8 × int16 over torch's (AVX2)."""
+        if self.vnni:
+            return torch.ops.dsinfer.int8_vnni_linear
+        if self.i16:
+            return torch.ops.dsinfer.int8_i16_linear
+        return None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = _rows(x)
-        if self.i16 and flat.shape[0] <= _FUSED_INT8_MAX_ROWS:
-            y = torch.ops.dsinfer.int8_i16_linear(flat, layer.qweight, layer.scales)
-            return _finish(y, x, bias)
+        kernel = self._wide_kernel()
+        if kernel is not None and flat.shape[0] <= _FUSED_INT8_MAX_ROWS:
+            return _finish(kernel(flat, layer.qweight, layer.scales), x, bias)
         if not self.vnni:
             return _finish(int8_mm(flat, layer.qweight, layer.scales, self.fused), x, bias)
-        if flat.shape[0] <= _FUSED_INT8_MAX_ROWS:
-            # Activations quantised per group of 32, int8 × int8 dot products (4x the rate of
-            # widening to fp32 at 16 rows; see cpu_ops.cpp).
-            y = torch.ops.dsinfer.int8_vnni_linear(flat, layer.qweight, layer.scales)
-        else:
-            # Many rows are prompt logprobs, a measurement: the weight widened for one exact
-            # GEMM. The int8 × int8 kernel would be faster here too (56 vs 141 ms at 512 rows)
-            # but moves SmolLM2's prompt perplexity of the 81-token gate text by −0.7% (7.932
-            # → 7.879; +0.06% on 213 tokens): rounding noise, yet past the 0.5% gate.
-            wt = torch.ops.dsinfer.int8_vnni_dequantize_t(layer.qweight).to(flat.dtype)
-            y = (flat @ wt) * layer.scales
-        return _finish(y, x, bias)
+        # Many rows are prompt logprobs, a measurement: the weight widened for one exact GEMM.
+        # The int8 × int8 kernel would be faster here too (56 vs 141 ms at 512 rows) but moves
+        # SmolLM2's prompt perplexity of the 81-token gate text by −0.7% (7.932 → 7.879; +0.06%
+        # on 213 tokens): rounding noise, yet past the 0.5% gate.
+        wt = torch.ops.dsinfer.int8_vnni_dequantize_t(layer.qweight).to(flat.dtype)
+        return _finish((flat @ wt) * layer.scales, x, bias)
 
     def apply_fp32(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         flat = _rows(x)
-        if (self.vnni or self.i16) and bias is None and flat.shape[0] <= _FUSED_INT8_MAX_ROWS:
+        kernel = self._wide_kernel()
+        if kernel is not None and bias is None and flat.shape[0] <= _FUSED_INT8_MAX_ROWS:
             # The kernel rounds each value to x's dtype and stores it widened: apply's result
             # `.float()`ed, without writing and re-reading a second [rows, vocab] tensor.
-            kernel = (
-                torch.ops.dsinfer.int8_vnni_linear
-                if self.vnni
-                else torch.ops.dsinfer.int8_i16_linear
-            )
-            y = kernel(flat, layer.qweight, layer.scales, True)
-            return _finish(y, x, None)
+            return _finish(kernel(flat, layer.qweight, layer.scales, True), x, None)
         return self.apply(layer, x, bias).float()
 
     @property
     def reads_rows(self) -> bool:
         """Whether `rows` serves a tied embedding: once the fused backend took the layer (the
         repacked layout, or torch's under the AVX2 kernel)."""
-        return self.vnni or self.i16
+        return self._wide_kernel() is not None
 
     def rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows of the dequantised weight, W[ids] [T, in] in `dtype`: w · s in fp32, rounded

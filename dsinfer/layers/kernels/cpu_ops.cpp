@@ -1791,6 +1791,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // absolute terms elsewhere. A row's arithmetic does not depend on the other rows of the call,
 // nor on the row count (batch invariance: the same kernel for every decode batch).
 #if DSINFER_AVX2_QUANT
+// Elements [at, at + n) of x (fp32 or bf16) rounded to int16 with one scale: q = x · 32767 /
+// max|x| to nearest even; returns the scale d = max|x| / 32767 (v: n floats of scratch). The
+// activations of both AVX2 kernels: a row of the int8 head's, a group of 32 of int4's.
+inline float round_to_int16(const void* x, bool bf16, int64_t at, int64_t n, float* v, int16_t* q) {
+  if (bf16) widen(raw(static_cast<const c10::BFloat16*>(x) + at), v, n);
+  else std::memcpy(v, static_cast<const float*>(x) + at, n * sizeof(float));
+  float amax = 0.f;
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(v[k]));
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  for (int64_t k = 0; k < n; ++k) q[k] = static_cast<int16_t>(std::nearbyint(v[k] * inv));
+  return amax / 32767.f;
+}
+
 struct I16Rows {
   int64_t K;
   std::unique_ptr<int16_t[]> q;  // [M, K]
@@ -1802,15 +1815,7 @@ struct I16Rows {
     const void* xp = x.const_data_ptr();
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
       std::vector<float> v(K);
-      for (int64_t m = m0; m < m1; ++m) {
-        if (bf16) widen(raw(static_cast<const c10::BFloat16*>(xp) + m * K), v.data(), K);
-        else std::memcpy(v.data(), static_cast<const float*>(xp) + m * K, K * sizeof(float));
-        float amax = 0.f;
-        for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(v[k]));
-        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-        for (int64_t k = 0; k < K; ++k) q[m * K + k] = static_cast<int16_t>(std::nearbyint(v[k] * inv));
-        d[m] = amax / 32767.f;
-      }
+      for (int64_t m = m0; m < m1; ++m) d[m] = round_to_int16(xp, bf16, m * K, K, v.data(), q.get() + m * K);
     });
   }
 };
@@ -2250,16 +2255,9 @@ struct I16PairRows {
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t at = m * K + g * 32;
-          if (bf16) widen(raw(static_cast<const c10::BFloat16*>(xp) + at), v, 32);
-          else std::memcpy(v, static_cast<const float*>(xp) + at, sizeof(v));
-          float amax = 0.f;
-          for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k]));
-          const float d = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+          const float d = round_to_int16(xp, bf16, at, 32, v, q);
           int32_t total = 0;
-          for (int k = 0; k < 32; ++k) {
-            q[k] = static_cast<int16_t>(std::nearbyint(v[k] * inv));
-            total += q[k];
-          }
+          for (int k = 0; k < 32; ++k) total += q[k];
           // Chunk c of 8 inputs, pair p: inputs (c·8 + a, c·8 + a + 2), a = 0, 1, 4, 5.
           static constexpr int kFirst[4] = {0, 1, 4, 5};
           int32_t* out = pairs.get() + at / 2;

@@ -72,14 +72,15 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
       if (rows == 1 || (rows <= 64 && O >= 8192)) {  // quant.py's int8_mm, rule for rule
         DSINFER_RANGE("dsinfer::int8_linear");
         y = int8_linear(x, l.a, l.b);
-      } else if (rows < 16 && K % 16 == 0) {
-        y = at::_weight_int8pack_mm(x, l.a, l.b.to(x.scalar_type()));
-      } else if (x.scalar_type() == at::kBFloat16 && !kNativeBf16Gemm) {
-        // No native bf16 GEMM here (AVX2): int8_mm's packed kernel or an fp32 GEMM.
-        y = K % 16 == 0 ? at::_weight_int8pack_mm(x, l.a, l.b.to(x.scalar_type()))
-                        : (at::mm(x.to(at::kFloat), l.a.to(at::kFloat).t()) * l.b.to(at::kFloat)).to(x.scalar_type());
       } else {
-        y = at::mm(x, l.a.to(x.scalar_type()).t()) * l.b;
+        // No native bf16 GEMM here (AVX2): never torch's emulated one.
+        const bool emulated_bf16 = x.scalar_type() == at::kBFloat16 && !kNativeBf16Gemm;
+        if (K % 16 == 0 && (rows < 16 || emulated_bf16))
+          y = at::_weight_int8pack_mm(x, l.a, l.b.to(x.scalar_type()));
+        else if (emulated_bf16)
+          y = (at::mm(x.to(at::kFloat), l.a.to(at::kFloat).t()) * l.b.to(at::kFloat)).to(x.scalar_type());
+        else
+          y = at::mm(x, l.a.to(x.scalar_type()).t()) * l.b;
       }
       break;
     }
