@@ -63,6 +63,12 @@ class EngineArgs:
                       "(--no-step-program: layer by layer from Python)",
                       negate="--no-step-program"),
     )  # fmt: skip
+    int8_activations: bool = field(
+        default=False,
+        metadata=_opt("fused CPU backend: int4 layers round their activations to int8 per group "
+                      "of 32, as llama.cpp does (faster prefill and batched decode on AVX2 "
+                      "CPUs; costs perplexity, see docs/backends.md)", action="store_true"),
+    )  # fmt: skip
     quantization: str = field(
         default="auto",
         metadata=_opt(
@@ -159,6 +165,7 @@ class EngineArgs:
             device=self.device,
             backend=self.backend,
             step_program=self.step_program,
+            int8_activations=self.int8_activations,
             quantization=self.quantization,
             seed=self.seed,
             tokenizer=self.tokenizer,

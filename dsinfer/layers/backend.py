@@ -11,6 +11,7 @@ walking the model's modules: those with a backend-dependent part implement `use_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -56,18 +57,46 @@ def resolve_backend(requested: str, device: torch.device) -> BackendChoice:
     return BackendChoice("fused", f"auto: fused kernels for {device.type}")
 
 
-def kernels_of(name: str) -> Kernels:
-    return FUSED_CPU if name == "fused" else REFERENCE
+def kernels_of(name: str, int8_activations: bool = False) -> Kernels:
+    kernels = FUSED_CPU if name == "fused" else REFERENCE
+    return dataclasses.replace(kernels, int8_activations=True) if int8_activations else kernels
 
 
-def apply_backend(model: nn.Module, requested: str, device: torch.device) -> BackendChoice:
-    """Switch every backend-dependent module of `model` to the chosen backend."""
+def int8_activations_unavailable(backend: str, device: torch.device) -> str | None:
+    """Why int4 layers cannot take int8 activations with this backend on `device`, or None."""
+    if backend != "fused" or device.type != "cpu":
+        return "int8 activations are a kernel of the fused CPU backend"
+    if not torch.ops.dsinfer.int4_i8_supported():
+        return "this CPU has no AVX2 + FMA (the int8-activation kernel's instructions)"
+    return None
+
+
+def apply_backend(
+    model: nn.Module, requested: str, device: torch.device, int8_activations: bool = False
+) -> BackendChoice:
+    """Switch every backend-dependent module of `model` to the chosen backend (with int8
+    activations for its int4 layers where asked: a ValueError where they cannot run)."""
     choice = resolve_backend(requested, device)
-    kernels = kernels_of(choice.name)
+    if int8_activations:
+        why_not = int8_activations_unavailable(choice.name, device)
+        if why_not:
+            raise ValueError(
+                f"--int8-activations cannot run here ({why_not}; backend {choice.name}, device "
+                f"{device.type}): drop the flag"
+            )
+    kernels = kernels_of(choice.name, int8_activations)
     for module in model.modules():
         use = getattr(module, "use_kernels", None)
         if use is not None:
             use(kernels, device.type)
+    if int8_activations:
+        took = sum(getattr(getattr(m, "method", None), "int8_activations", False)
+                   for m in model.modules())  # fmt: skip
+        if took:
+            logger.info("int8 activations: %d int4 layer(s) (llama.cpp's arithmetic)", took)
+        else:
+            logger.warning("--int8-activations: no int4 layer here, nothing changes (the flag "
+                           "applies to int4 weights)")  # fmt: skip
     if requested == "auto" and choice.name == "reference" and device.type == "cpu":
         logger.warning("backend: reference, the slow path (%s)", choice.reason)
     else:

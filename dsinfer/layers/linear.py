@@ -29,6 +29,7 @@ class ProgramOperand:
     INT8 = 2  # a: weight int8 [out, in], b: scales [out] (int8_mm's rules)
     INT8_VNNI = 3  # a: packed int8 [out/16, in/4, 64], b: scales [out] (int8_vnni_linear)
     INT8_I16 = 4  # a: weight int8 [out, in], b: scales [out] (int8_i16_linear, AVX2)
+    INT4_I8 = 5  # INT4_VNNI's tensors, int8 activations (int4_i8_linear, --int8-activations)
 
     kind: int
     a: torch.Tensor
@@ -64,7 +65,7 @@ class LinearMethod:
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
         raise NotImplementedError
 
-    def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
+    def use_kernels(self, layer: nn.Module, kernels: Kernels, device_type: str) -> None:
         """Pick kernels for the engine's backend after loading (and prepare the layer's
         tensors for them); the default has one kernel."""
 
@@ -172,7 +173,7 @@ class Linear(nn.Module):
             p.shards = list(self.shards)  # type: ignore[attr-defined]  # what the loader expects
 
     def use_kernels(self, kernels: Kernels, device_type: str) -> None:
-        self.method.use_kernels(self, kernels.name, device_type)
+        self.method.use_kernels(self, kernels, device_type)
 
     def set_method(self, method: LinearMethod) -> None:
         """Swap the weight format (artifact load, compile): drops the old weight tensors."""

@@ -49,7 +49,7 @@ class ExpertsMethod:
     def tp_stored(self, name: str, part: torch.Tensor) -> torch.Tensor:
         return part
 
-    def use_kernels(self, experts: nn.Module, kernels_name: str, device_type: str) -> None:
+    def use_kernels(self, experts: nn.Module, kernels: Kernels, device_type: str) -> None:
         """Pick kernels for the engine's backend after loading; the float format has one."""
 
     def matmul(self, experts: nn.Module, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
@@ -189,7 +189,7 @@ class RoutedExperts(nn.Module):
         return torch.cat([t.narrow(dim, lo, i), t.narrow(dim, whole + lo, i)], dim=dim)
 
     def use_kernels(self, kernels: Kernels, device_type: str) -> None:
-        self.method.use_kernels(self, kernels.name, device_type)
+        self.method.use_kernels(self, kernels, device_type)
 
     def set_method(self, method: ExpertsMethod) -> None:
         """Swap the weight format (artifact load, compile): drops the old tensors."""

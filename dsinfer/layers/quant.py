@@ -29,6 +29,7 @@ from dsinfer.layers.int4_pack import (
     int4pack_codes,
     int4pack_from_codes,
 )
+from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.linear import Linear, LinearMethod, ProgramOperand
 from dsinfer.layers.moe import ExpertsMethod, RoutedExperts
 
@@ -64,18 +65,18 @@ _INT4_DENSE_FROM_ROWS = 48
 _QUANTISE_ROWS = 4096  # rows quantised at a time (bounds the float temporaries at load)
 
 
-def _fused_cpu(kernels_name: str, device_type: str) -> bool:
+def _fused_cpu(kernels: Kernels, device_type: str) -> bool:
     """The fused backend on CPU: where this file's fused kernels run."""
-    return kernels_name == "fused" and device_type == "cpu"
+    return kernels.name == "fused" and device_type == "cpu"
 
 
 def _int4_kernels(
-    kernels_name: str, device_type: str, out_rows: list[int], group_size: int
+    kernels: Kernels, device_type: str, out_rows: list[int], group_size: int
 ) -> tuple[int, bool]:
     """The fused backend's choice for int4 weights of these output row counts (a Linear, or
     both stacks of the routed experts): (rows from which to widen for a dense GEMM, 0: never;
     whether to repack for the fused int4 kernels, int4_bf16_linear and the widening)."""
-    fused = _fused_cpu(kernels_name, device_type) and all(o % 64 == 0 for o in out_rows)
+    fused = _fused_cpu(kernels, device_type) and all(o % 64 == 0 for o in out_rows)
     # Repacking reads torch's 64- or 32-row blocks; our int4 kernels exist for AVX-512 (VNNI,
     # BF16) and for AVX2 + FMA.
     repack = (
@@ -136,10 +137,16 @@ def int4_mm(
     group_size: int,
     vnni: bool,
     dense_rows: int,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """[M, in] activations × an int4 weight in torch's packed layout (or, `vnni`, repacked for
-    our kernels) → [M, out], kernel by rows (dense_rows 0: never widen)."""
+    our kernels) → [M, out], kernel by rows (dense_rows 0: never widen). int8_activations
+    (`vnni` only): the few-rows kernel rounds the activations to int8, llama.cpp's way."""
     many = dense_rows and flat.shape[0] >= dense_rows and flat.dtype == torch.bfloat16
+    if vnni and int8_activations and not many:
+        # Opted into (--int8-activations): twice the products an instruction on AVX2, the
+        # activations 128x coarser than int16 (+1-2% perplexity; docs/backends.md).
+        return torch.ops.dsinfer.int4_i8_linear(flat, qweight, scales_zeros)
     if vnni:
         # Few rows: the codes widened in registers and multiplied with the activations' own
         # bf16 values (int4_bf16_linear; llama.cpp's int8 activations cost +1.9% perplexity on
@@ -232,8 +239,8 @@ class Int8LinearMethod(LinearMethod):
         self.vnni = False  # fused backend: a wide layer repacked for int8_vnni_linear
         self.i16 = False  # fused backend, AVX2: a wide layer multiplied by int8_i16_linear
 
-    def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
-        self.fused = _fused_cpu(kernels_name, device_type)
+    def use_kernels(self, layer: nn.Module, kernels: Kernels, device_type: str) -> None:
+        self.fused = _fused_cpu(kernels, device_type)
         wide = self.fused and layer.out_features >= _FUSED_INT8_MIN_OUT
         if (
             wide
@@ -358,13 +365,15 @@ class Int4LinearMethod(LinearMethod):
         self.group_size = group_size
         self.dense_rows = 0  # fused backend: widen to bf16 from this many rows (0: never)
         self.vnni = False  # fused backend: the weight is repacked for int4_bf16_linear
+        self.int8_activations = False  # ... and meets int8 activations (int4_i8_linear)
 
-    def use_kernels(self, layer: nn.Module, kernels_name: str, device_type: str) -> None:
+    def use_kernels(self, layer: nn.Module, kernels: Kernels, device_type: str) -> None:
         self.dense_rows, repack = _int4_kernels(
-            kernels_name, device_type, [layer.out_features], self.group_size
+            kernels, device_type, [layer.out_features], self.group_size
         )
         if repack:
             self._repack_for_vnni(layer)
+        self.int8_activations = self.vnni and kernels.int8_activations
 
     def _repack_for_vnni(self, layer: nn.Module) -> None:
         """Post-load preparation for the fused backend: torch's packed layout → the int8-dot
@@ -394,6 +403,7 @@ class Int4LinearMethod(LinearMethod):
             self.group_size,
             self.vnni,
             self.dense_rows,
+            self.int8_activations,
         )
         return _finish(y, x, bias)
 
@@ -401,9 +411,8 @@ class Int4LinearMethod(LinearMethod):
         # The program's int4 kernels are the VNNI layout's (groups of 32, repacked at load).
         if not self.vnni:
             return None
-        return ProgramOperand(
-            ProgramOperand.INT4_VNNI, layer.qweight, layer.scales_zeros, self.dense_rows
-        )
+        kind = ProgramOperand.INT4_I8 if self.int8_activations else ProgramOperand.INT4_VNNI
+        return ProgramOperand(kind, layer.qweight, layer.scales_zeros, self.dense_rows)
 
 
 def int4_unsupported_reason(out_features: int, in_features: int, group_size: int) -> str | None:
@@ -469,8 +478,8 @@ class Int8ExpertsMethod(ExpertsMethod):
             return False, None  # per output row of down: whole
         return (True, 1) if name.endswith("13") else (False, 2)
 
-    def use_kernels(self, experts: nn.Module, kernels_name: str, device_type: str) -> None:
-        self.fused = _fused_cpu(kernels_name, device_type)
+    def use_kernels(self, experts: nn.Module, kernels: Kernels, device_type: str) -> None:
+        self.fused = _fused_cpu(kernels, device_type)
 
     def matmul(self, experts: nn.Module, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
         q, scales = getattr(experts, f"q{which}")[e], getattr(experts, f"s{which}")[e]
@@ -506,6 +515,7 @@ class Int4ExpertsMethod(ExpertsMethod):
         self.group_size = group_size
         self.dense_rows = 0  # fused backend: widen to bf16 from this many rows (0: never)
         self.vnni = False  # fused backend: the stacks are repacked for int4_bf16_linear
+        self.int8_activations = False  # ... and meet int8 activations (int4_i8_linear)
 
     def create_weights(self, experts: nn.Module, e: int, two_i: int, h: int) -> None:
         for which, (out_f, in_f) in (("13", (two_i, h)), ("2", (h, two_i // 2))):
@@ -528,13 +538,12 @@ class Int4ExpertsMethod(ExpertsMethod):
     def tp_stored(self, name: str, part: torch.Tensor) -> torch.Tensor:
         return int4pack_from_codes(part) if name.startswith("q") else part
 
-    def use_kernels(self, experts: nn.Module, kernels_name: str, device_type: str) -> None:
+    def use_kernels(self, experts: nn.Module, kernels: Kernels, device_type: str) -> None:
         out_rows = [2 * experts.intermediate, experts.hidden]  # both stacks' output rows
-        self.dense_rows, repack = _int4_kernels(
-            kernels_name, device_type, out_rows, self.group_size
-        )
+        self.dense_rows, repack = _int4_kernels(kernels, device_type, out_rows, self.group_size)
         if repack:
             self._repack_for_vnni(experts)
+        self.int8_activations = self.vnni and kernels.int8_activations
 
     def _repack_for_vnni(self, experts: nn.Module) -> None:
         """Each expert's tensors → the int8-dot layout (same values), stacked again; torch's
@@ -553,7 +562,15 @@ class Int4ExpertsMethod(ExpertsMethod):
 
     def matmul(self, experts: nn.Module, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
         q, sz = getattr(experts, f"q{which}")[e], getattr(experts, f"sz{which}")[e]
-        return int4_mm(x.contiguous(), q, sz, self.group_size, self.vnni, self.dense_rows)
+        return int4_mm(
+            x.contiguous(),
+            q,
+            sz,
+            self.group_size,
+            self.vnni,
+            self.dense_rows,
+            self.int8_activations,
+        )
 
     @torch.no_grad()
     def quantize(self, experts: RoutedExperts, dtype: torch.dtype) -> None:

@@ -39,6 +39,7 @@ class ModelRunner:
         driver: bool = True,
         backend: str = "reference",
         step_program: bool = False,
+        int8_activations: bool = False,
         max_num_seqs: int = 64,
         decode_graphs: bool | None = None,
         ngram_speculation: int = 0,
@@ -51,7 +52,7 @@ class ModelRunner:
         # the same order (their parts of the collectives) and keep nothing.
         self.driver = driver
         self.model = loaded.model
-        self.backend = apply_backend(self.model, backend, device).name
+        self.backend = apply_backend(self.model, backend, device, int8_activations).name
         # The backend's post-load preparation (the VNNI repacking) freed the weights' loaded
         # layouts: return those pages before the KV pool is allocated (−32 MiB resident for
         # SmolLM2 once serving, measured; the pool would otherwise reuse only part of them).
@@ -95,6 +96,7 @@ class ModelRunner:
             driver=driver,
             backend=config.backend,
             step_program=config.step_program,
+            int8_activations=config.int8_activations,
             max_num_seqs=config.scheduler.max_num_seqs,
             ngram_speculation=config.ngram_speculation,
         )

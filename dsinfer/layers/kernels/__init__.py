@@ -1,4 +1,5 @@
-"""Kernel sets: the small per-token ops (norms, gated activation) a backend runs them with.
+"""Kernel sets: the small per-token ops (norms, gated activation) a backend runs them with,
+and the arithmetic its quantised matmuls use (int8 activations or not).
 
 `reference` is plain torch and the oracle of every test; `fused` calls the C++ kernels of
 cpu_ops.cpp (built once per machine by cpu_build). Layers hold a kernel set and are switched
@@ -25,6 +26,9 @@ class Kernels:
     ]
     # [T, 2I] laid out [gate | up] → silu(gate) · up: [T, I]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # int4 weights meet activations rounded to int8 per group of 32 (llama.cpp's arithmetic,
+    # opted into with --int8-activations: faster, less exact; layers/quant.py's int4_mm).
+    int8_activations: bool = False
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1790,20 +1790,23 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // 65534: below its own bf16 rounding (|x| · 2^-9) wherever |x| ≥ max|x| / 128, and tiny in
 // absolute terms elsewhere. A row's arithmetic does not depend on the other rows of the call,
 // nor on the row count (batch invariance: the same kernel for every decode batch).
-#if DSINFER_AVX2_QUANT
-// Elements [at, at + n) of x (fp32 or bf16) rounded to int16 with one scale: q = x · 32767 /
-// max|x| to nearest even; returns the scale d = max|x| / 32767 (v: n floats of scratch). The
-// activations of both AVX2 kernels: a row of the int8 head's, a group of 32 of int4's.
-inline float round_to_int16(const void* x, bool bf16, int64_t at, int64_t n, float* v, int16_t* q) {
+// Elements [at, at + n) of x (fp32 or bf16) rounded to Q's symmetric range with one scale:
+// q = x · L / max|x| to nearest even, L = 32767 (int16) or 127 (int8); returns the scale
+// d = max|x| / L (v: n floats of scratch). The activations of the AVX2 kernels: a row of the
+// int8 head's, a group of 32 of int4's (int16), or of int4_i8_linear's (int8).
+template <typename Q>
+inline float round_to_int(const void* x, bool bf16, int64_t at, int64_t n, float* v, Q* q) {
+  constexpr float kLevels = static_cast<float>(std::numeric_limits<Q>::max());
   if (bf16) widen(raw(static_cast<const c10::BFloat16*>(x) + at), v, n);
   else std::memcpy(v, static_cast<const float*>(x) + at, n * sizeof(float));
   float amax = 0.f;
   for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(v[k]));
-  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-  for (int64_t k = 0; k < n; ++k) q[k] = static_cast<int16_t>(std::nearbyint(v[k] * inv));
-  return amax / 32767.f;
+  const float inv = amax > 0.f ? kLevels / amax : 0.f;
+  for (int64_t k = 0; k < n; ++k) q[k] = static_cast<Q>(std::nearbyint(v[k] * inv));
+  return amax / kLevels;
 }
 
+#if DSINFER_AVX2_QUANT
 struct I16Rows {
   int64_t K;
   std::unique_ptr<int16_t[]> q;  // [M, K]
@@ -1815,7 +1818,7 @@ struct I16Rows {
     const void* xp = x.const_data_ptr();
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
       std::vector<float> v(K);
-      for (int64_t m = m0; m < m1; ++m) d[m] = round_to_int16(xp, bf16, m * K, K, v.data(), q.get() + m * K);
+      for (int64_t m = m0; m < m1; ++m) d[m] = round_to_int<int16_t>(xp, bf16, m * K, K, v.data(), q.get() + m * K);
     });
   }
 };
@@ -2255,7 +2258,7 @@ struct I16PairRows {
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t at = m * K + g * 32;
-          const float d = round_to_int16(xp, bf16, at, 32, v, q);
+          const float d = round_to_int<int16_t>(xp, bf16, at, 32, v, q);
           int32_t total = 0;
           for (int k = 0; k < 32; ++k) total += q[k];
           // Chunk c of 8 inputs, pair p: inputs (c·8 + a, c·8 + a + 2), a = 0, 1, 4, 5.
@@ -2409,6 +2412,142 @@ at::Tensor int4_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const 
     };
     for_output_blocks<8>(M, OB, 4, block,
                          [&](int64_t m, int64_t ob, const float* t) { store_row16(op + m * O + ob * 16, t); });
+  });
+#endif
+  return out;
+}
+
+// ---- int4 × int8 activations: llama.cpp's arithmetic, opted into (--int8-activations) ------
+// The int16 kernel above is bound by `vpmaddwd`: 16 products an instruction, one instruction a
+// cycle on a Zen 2, ~80% of it reached at 16 rows and in prefill. `vpmaddubsw` multiplies 32
+// unsigned bytes by 32 signed bytes an instruction at about the same rate: with the codes as
+// the unsigned bytes (0..15) and the activations rounded to int8 per group of 32 (d = max|x| /
+// 127, as llama.cpp's Q8 activations), twice the products an instruction. The price is the
+// activations' precision: 128× coarser than int16, +1-2% perplexity on SmolLM2 (docs/
+// backends.md), so it is never the default. Same packed layout; the formula above, except
+// that the zero points meet the activations' own sum (free, and the rounding stays out of it):
+//   Σ_k w[o,k] x[k] = s[g,o] · d · Σ_k q[o,k] xq[k] + (z[g,o] − 8 s[g,o]) · Σ_k x[k]
+// A lane's dword holds inputs k..k+3 in its low nibbles and k+4..k+7 in its high ones (byte b:
+// k + b and k + 4 + b), so the activations keep their natural order: 4 bytes a broadcast.
+// The int16 pair sums are exact and stay in int16 for a group: 8 instructions of at most
+// 2 · 15 · 127 = 3810 each sum below 2^15. A row's arithmetic does not depend on the others.
+#if defined(__AVX2__) && defined(__FMA__)
+#define DSINFER_INT4_I8 1
+struct I8Rows {
+  int64_t K, G;
+  std::unique_ptr<int8_t[]> q;       // [M, K]: the activations rounded, in their own order
+  std::unique_ptr<float[]> scale;    // [M, G]: d
+  std::unique_ptr<float[]> sums;     // [M, G]: Σ x, exactly as given (the zero points' term)
+
+  explicit I8Rows(const at::Tensor& x)
+      : K(x.size(1)), G(x.size(1) / 32), q(new int8_t[x.numel()]), scale(new float[x.size(0) * G]),
+        sums(new float[x.size(0) * G]) {
+    const int64_t M = x.size(0);
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const void* xp = x.const_data_ptr();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      float v[32];
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t g = 0; g < G; ++g) {
+          int8_t* qg = q.get() + m * K + g * 32;
+          scale[m * G + g] = round_to_int<int8_t>(xp, bf16, m * K + g * 32, 32, v, qg);
+          float total = 0.f;
+          for (int k = 0; k < 32; ++k) total += v[k];
+          sums[m * G + g] = total;
+        }
+    });
+  }
+  const int32_t* row(int64_t m) const { return reinterpret_cast<const int32_t*>(q.get() + m * K); }
+};
+
+// 16 outputs (one block) for M ≤ 6 rows, both halves of 8 in one pass: each broadcast of 4
+// activations serves 16 outputs. 2M int16 sums, 4 code vectors and the mask in 16 registers
+// (a Zen 2, 16 rows of 576 → 1536 in a harness: chunks of 6 rows 0.21 ms, of 8 rows a half at
+// a time 0.26, the int16 kernel 0.33).
+template <int M>
+inline void i8_block(const uint8_t* codes, const c10::BFloat16* sz, int64_t K, const I8Rows& x, int64_t m0,
+                     float* out) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t G = K / 32;
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __v16hi dot[M][2];  // GCC vector types with `+=`: see i16_dot_rows
+    for (int m = 0; m < M; ++m) dot[m][0] = dot[m][1] = __v16hi{};
+    for (int64_t c = 0; c < 4; ++c) {
+      const uint8_t* cp = codes + (g * 4 + c) * 64;
+      _mm_prefetch((const char*)(cp + 1024), _MM_HINT_T0);  // as kInt4Ahead
+      const __m256i v0 = _mm256_loadu_si256((const __m256i*)cp), v1 = _mm256_loadu_si256((const __m256i*)(cp + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi32(v0, 4), mask);
+      const __m256i lo1 = _mm256_and_si256(v1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi32(v1, 4), mask);
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xp = x.row(m0 + m) + (g * 4 + c) * 2;
+        const __m256i a = _mm256_set1_epi32(xp[0]), b = _mm256_set1_epi32(xp[1]);
+        dot[m][0] += (__v16hi)_mm256_maddubs_epi16(lo0, a);
+        dot[m][1] += (__v16hi)_mm256_maddubs_epi16(lo1, a);
+        dot[m][0] += (__v16hi)_mm256_maddubs_epi16(hi0, b);
+        dot[m][1] += (__v16hi)_mm256_maddubs_epi16(hi1, b);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = load8(sz + g * 32 + h * 8), z = load8(sz + g * 32 + 16 + h * 8);
+      const __m256 zc = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);  // z − 8 s
+      for (int m = 0; m < M; ++m) {
+        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.scale[(m0 + m) * G + g]));
+        const __m256i d32 = _mm256_madd_epi16((__m256i)dot[m][h], ones);  // pairs → int32
+        acc[m][h] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(d32), acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(zc, _mm256_set1_ps(x.sums[(m0 + m) * G + g]), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    _mm256_storeu_ps(out + m * 16, acc[m][0]);
+    _mm256_storeu_ps(out + m * 16 + 8, acc[m][1]);
+  }
+}
+
+// f(m0, rows) over [0, M) in chunks of N rows, the rest in one chunk of fewer (compile-time
+// row counts 1..N).
+template <int N, typename F>
+inline void in_chunks_of(int64_t M, F&& f) {
+  int64_t m0 = 0;
+  for (; M - m0 >= N; m0 += N) f(m0, std::integral_constant<int, N>{});
+  if constexpr (N > 1) {
+    if (m0 < M) in_chunks_of<N - 1>(M - m0, [&](int64_t m, auto rows) { f(m0 + m, rows); });
+  }
+}
+#else
+#define DSINFER_INT4_I8 0
+#endif
+
+bool int4_i8_supported() { return DSINFER_INT4_I8; }
+
+// x [M, K] (fp32 or bf16) × the packed weight (int4_vnni_pack's layout) → [M, O] in x's dtype,
+// the activations rounded to int8 per group of 32 (above).
+at::Tensor int4_i8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz) {
+  TORCH_CHECK(int4_i8_supported(), "int4_i8_linear: this build has no AVX2/FMA kernels");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_i8_linear: contiguous [M, K] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int4_i8_linear: fp32 or bf16 rows expected");
+  const int64_t M = x.size(0), K = x.size(1), OB = codes.size(0), O = OB * 16, G = K / 32;
+  TORCH_CHECK(codes.size(1) * 8 == K && sz.size(1) == G, "int4_i8_linear: shape mismatch");
+  auto out = at::empty({M, O}, x.options());
+#if DSINFER_INT4_I8
+  const I8Rows xi(x);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const auto* szp = sz.data_ptr<c10::BFloat16>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "int4_i8_linear", [&] {
+    using T = scalar_t;
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, OB, 4, [&](int64_t ob0, int64_t ob1) {
+      float tile[6 * 16];
+      for (int64_t ob = ob0; ob < ob1; ++ob)
+        in_chunks_of<6>(M, [&](int64_t m0, auto rows) {
+          constexpr int R = decltype(rows)::value;
+          i8_block<R>(cp + ob * (K / 8) * 64, szp + ob * G * 32, K, xi, m0, tile);
+          for (int m = 0; m < R; ++m) store_row16(op + (m0 + m) * O + ob * 16, tile + m * 16);
+        });
+    });
   });
 #endif
   return out;
@@ -2935,6 +3074,8 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("int4_vnni_pack(Tensor qweight, int group, Tensor scales_zeros, int block_rows=64) -> (Tensor, Tensor)");
   m.def("int4_vnni_dequantize_t(Tensor codes, Tensor sz) -> Tensor");
   m.def("int4_bf16_linear(Tensor x, Tensor codes, Tensor sz) -> Tensor");
+  m.def("int4_i8_linear(Tensor x, Tensor codes, Tensor sz) -> Tensor");
+  m.def("int4_i8_supported() -> bool");
   m.def("int8_vnni_pack(Tensor w) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor packed, Tensor scales, bool fp32_out=False) -> Tensor");
   m.def("int8_vnni_dequantize_t(Tensor packed) -> Tensor");
@@ -2970,6 +3111,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CatchAll, m) {
   m.impl("int4_vnni_supported", &int4_vnni_supported);
   m.impl("int8_vnni_supported", &int8_vnni_supported);
   m.impl("int8_i16_supported", &int8_i16_supported);
+  m.impl("int4_i8_supported", &int4_i8_supported);
   m.impl("paged_prefill_supported", &paged_prefill_supported);
   m.impl("mla_projections_supported", &mla_projections_supported);
 }
@@ -2994,6 +3136,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("int4_vnni_pack", &int4_vnni_pack);
   m.impl("int4_vnni_dequantize_t", &int4_vnni_dequantize_t);
   m.impl("int4_bf16_linear", &int4_bf16_linear);
+  m.impl("int4_i8_linear", &int4_i8_linear);
   m.impl("int8_vnni_pack", &int8_vnni_pack);
   m.impl("int8_vnni_linear", &int8_vnni_linear);
   m.impl("int8_i16_linear", &int8_i16_linear);

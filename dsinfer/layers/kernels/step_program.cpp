@@ -20,7 +20,7 @@ namespace {
 #define DSINFER_RANGE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
 // How a captured projection multiplies (the quantisation method of the layer says which).
-enum ProgramLinearKind : int64_t { kDense = 0, kInt4Vnni = 1, kInt8 = 2, kInt8Vnni = 3, kInt8I16 = 4 };
+enum ProgramLinearKind : int64_t { kDense = 0, kInt4Vnni = 1, kInt8 = 2, kInt8Vnni = 3, kInt8I16 = 4, kInt4I8 = 5 };
 
 struct ProgramLinear {
   int64_t kind = kDense;
@@ -48,6 +48,7 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
     case kDense:
       return at::linear(x, l.a, l.bias);  // F.linear: the bias inside the GEMM
     case kInt4Vnni:
+    case kInt4I8:
       if (l.dense_from_rows > 0 && rows >= l.dense_from_rows && x.scalar_type() == at::kBFloat16) {
         at::Tensor wt;
         {
@@ -55,6 +56,9 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
           wt = int4_vnni_dequantize_t(l.a, l.b);
         }
         y = at::mm(x, wt);
+      } else if (l.kind == kInt4I8) {  // --int8-activations
+        DSINFER_RANGE("dsinfer::int4_i8_linear");
+        y = int4_i8_linear(x, l.a, l.b);
       } else {
         DSINFER_RANGE("dsinfer::int4_bf16_linear");
         y = int4_bf16_linear(x, l.a, l.b);
@@ -125,7 +129,7 @@ struct DecodeProgram : torch::CustomClassHolder {
   void add_linear(int64_t kind, at::Tensor a, at::Tensor b, c10::optional<at::Tensor> bias,
                   int64_t dense_from_rows) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "step program: add_layer first");
-    TORCH_CHECK(kind >= kDense && kind <= kInt8I16, "step program: unknown kind ", kind);
+    TORCH_CHECK(kind >= kDense && kind <= kInt4I8, "step program: unknown kind ", kind);
     layers_.back().linears.push_back({kind, std::move(a), std::move(b), std::move(bias), dense_from_rows});
   }
 
