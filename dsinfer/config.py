@@ -10,6 +10,8 @@ import torch
 
 # The weight-only quantisation schemes (their methods are registered in layers/quant.py).
 QUANTISED_SCHEMES = ("int8", "int4")
+# --int8-activations: which int4 layers round their activations to int8 (layers/backend.py).
+INT8_ACTIVATIONS = ("none", "out_proj", "all")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -197,9 +199,10 @@ class EngineConfig:
     backend: str = "auto"
     # The fused backend runs decode-only steps as one captured program (layers/step_program.py).
     step_program: bool = True
-    # int4 layers meet activations rounded to int8 per group of 32 (llama.cpp's arithmetic):
-    # faster prefill and batched decode on AVX2 CPUs, +1-2% perplexity. Off by default.
-    int8_activations: bool = False
+    # Which int4 layers meet activations rounded to int8 per group of 32 (llama.cpp's
+    # arithmetic, faster on AVX2 CPUs): none | out_proj (the blocks' output projections) |
+    # all. They cost perplexity (docs/backends.md): never the default.
+    int8_activations: str = "none"
     # Weights quantised at load: auto (a Q4/Q8 GGUF keeps int4/int8 unless dtype is float32)
     # | none | int8 | int4. Artifacts are quantised at compile instead.
     quantization: str = "auto"

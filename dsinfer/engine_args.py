@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsinfer.config import (
+    INT8_ACTIVATIONS,
     QUANTISED_SCHEMES,
     CacheConfig,
     EngineConfig,
@@ -63,11 +64,13 @@ class EngineArgs:
                       "(--no-step-program: layer by layer from Python)",
                       negate="--no-step-program"),
     )  # fmt: skip
-    int8_activations: bool = field(
-        default=False,
-        metadata=_opt("fused CPU backend: int4 layers round their activations to int8 per group "
-                      "of 32, as llama.cpp does (faster prefill and batched decode on AVX2 "
-                      "CPUs; costs perplexity, see docs/backends.md)", action="store_true"),
+    int8_activations: str = field(
+        default="none",
+        metadata=_opt("fused CPU backend: int4 layers whose activations are rounded to int8 per "
+                      "group of 32, as llama.cpp does (faster prefill and batched decode on "
+                      "AVX2 CPUs, at a cost in perplexity: docs/backends.md): out_proj, the "
+                      "blocks' output projections; all; none (exact to 2^-16)",
+                      choices=INT8_ACTIVATIONS),
     )  # fmt: skip
     quantization: str = field(
         default="auto",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dsinfer.config import INT8_ACTIVATIONS
 from dsinfer.layers.kernels import FUSED_CPU, REFERENCE, Kernels
 from dsinfer.layers.kernels.cpu_build import load_cpu_ops
 
@@ -57,48 +58,61 @@ def resolve_backend(requested: str, device: torch.device) -> BackendChoice:
     return BackendChoice("fused", f"auto: fused kernels for {device.type}")
 
 
-def kernels_of(name: str, int8_activations: bool = False) -> Kernels:
+def kernels_of(name: str, int8_activations: str = "none") -> Kernels:
     kernels = FUSED_CPU if name == "fused" else REFERENCE
-    return dataclasses.replace(kernels, int8_activations=True) if int8_activations else kernels
+    if int8_activations == "none":
+        return kernels
+    return dataclasses.replace(kernels, int8_activations=int8_activations)
 
 
-def int8_activations_unavailable(backend: str, device: torch.device) -> str | None:
-    """Why int4 layers cannot take int8 activations with this backend on `device`, or None."""
+def resolve_int8_activations(requested: str, backend: str, device: torch.device) -> str:
+    """--int8-activations: none, or out_proj / all where the kernel runs (a ValueError with the
+    reason elsewhere). The kernel is written with AVX2 instructions: it runs on AVX-512 CPUs
+    too, where it was not measured against their bf16 kernels."""
+    if requested not in INT8_ACTIVATIONS:
+        raise ValueError(
+            f"unknown int8 activations {requested!r}; choose one of {', '.join(INT8_ACTIVATIONS)}"
+        )
+    if requested == "none":
+        return requested
+    why_not = None
     if backend != "fused" or device.type != "cpu":
-        return "int8 activations are a kernel of the fused CPU backend"
-    if not torch.ops.dsinfer.int4_i8_supported():
-        return "this CPU has no AVX2 + FMA (the int8-activation kernel's instructions)"
-    return None
+        why_not = "int8 activations are a kernel of the fused CPU backend"
+    elif not torch.ops.dsinfer.int4_i8_supported():
+        why_not = "this CPU has no AVX2 + FMA (the int8-activation kernel's instructions)"
+    if why_not:
+        raise ValueError(
+            f"--int8-activations {requested} cannot run here ({why_not}; backend {backend}, "
+            f"device {device.type}): use none"
+        )
+    return requested
 
 
 def apply_backend(
-    model: nn.Module, requested: str, device: torch.device, int8_activations: bool = False
+    model: nn.Module, requested: str, device: torch.device, int8_activations: str = "none"
 ) -> BackendChoice:
-    """Switch every backend-dependent module of `model` to the chosen backend (with int8
-    activations for its int4 layers where asked: a ValueError where they cannot run)."""
+    """Switch every backend-dependent module of `model` to the chosen backend, with int8
+    activations for the int4 layers the policy names (a ValueError where it cannot run)."""
     choice = resolve_backend(requested, device)
-    if int8_activations:
-        why_not = int8_activations_unavailable(choice.name, device)
-        if why_not:
-            raise ValueError(
-                f"--int8-activations cannot run here ({why_not}; backend {choice.name}, device "
-                f"{device.type}): drop the flag"
-            )
-    kernels = kernels_of(choice.name, int8_activations)
+    int8 = resolve_int8_activations(int8_activations, choice.name, device)
+    kernels = kernels_of(choice.name, int8)
     for module in model.modules():
         use = getattr(module, "use_kernels", None)
         if use is not None:
             use(kernels, device.type)
-    if int8_activations:
-        took = sum(getattr(getattr(m, "method", None), "int8_activations", False)
-                   for m in model.modules())  # fmt: skip
-        if took:
-            logger.info("int8 activations: %d int4 layer(s) (llama.cpp's arithmetic)", took)
-        else:
-            logger.warning("--int8-activations: no int4 layer here, nothing changes (the flag "
-                           "applies to int4 weights)")  # fmt: skip
     if requested == "auto" and choice.name == "reference" and device.type == "cpu":
         logger.warning("backend: reference, the slow path (%s)", choice.reason)
     else:
         logger.info("backend: %s (%s)", choice.name, choice.reason)
+    if int8 != "none":
+        _log_int8_activations(model, int8)
     return choice
+
+
+def _log_int8_activations(model: nn.Module, policy: str) -> None:
+    methods = [m.method for m in model.modules() if hasattr(getattr(m, "method", None), "int8")]
+    took = sum(bool(method.int8) for method in methods)
+    if took:
+        logger.info("int8 activations (%s): %d of %d int4 layers", policy, took, len(methods))
+    else:
+        logger.info("int8 activations (%s): no int4 layer takes them here", policy)

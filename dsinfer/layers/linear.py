@@ -139,6 +139,10 @@ class Linear(nn.Module):
         unless `reduce` is False: the caller sums partial outputs of several layers at once)."""
         super().__init__()
         self.reduce = reduce
+        # A block's output projection (attention's o_proj, the MLP's down_proj): its input is
+        # not an RMSNorm's output, whose outlier channels cost int8 activations their precision
+        # (the `out_proj` policy of --int8-activations takes these layers only).
+        self.output_projection = parallel == "row"
         # False when another module reads `weight` directly (MLA's kv_b_proj), so the
         # weight must stay a plain float matrix.
         self.quantizable = quantizable

@@ -137,15 +137,16 @@ def int4_mm(
     group_size: int,
     vnni: bool,
     dense_rows: int,
-    int8_activations: bool = False,
+    int8: bool = False,
 ) -> torch.Tensor:
     """[M, in] activations × an int4 weight in torch's packed layout (or, `vnni`, repacked for
-    our kernels) → [M, out], kernel by rows (dense_rows 0: never widen). int8_activations
-    (`vnni` only): the few-rows kernel rounds the activations to int8, llama.cpp's way."""
+    our kernels) → [M, out], kernel by rows (dense_rows 0: never widen). int8 (`vnni` only):
+    the few-rows kernel rounds the activations to int8 per group of 32, llama.cpp's way."""
     many = dense_rows and flat.shape[0] >= dense_rows and flat.dtype == torch.bfloat16
-    if vnni and int8_activations and not many:
-        # Opted into (--int8-activations): twice the products an instruction on AVX2, the
-        # activations 128x coarser than int16 (+1-2% perplexity; docs/backends.md).
+    if vnni and int8 and not many:
+        # --int8-activations: twice the products an instruction on AVX2, the activations 256x
+        # coarser than int16 (all layers: +1% perplexity; the output projections' share nil:
+        # docs/backends.md).
         return torch.ops.dsinfer.int4_i8_linear(flat, qweight, scales_zeros)
     if vnni:
         # Few rows: the codes widened in registers and multiplied with the activations' own
@@ -365,7 +366,7 @@ class Int4LinearMethod(LinearMethod):
         self.group_size = group_size
         self.dense_rows = 0  # fused backend: widen to bf16 from this many rows (0: never)
         self.vnni = False  # fused backend: the weight is repacked for int4_bf16_linear
-        self.int8_activations = False  # ... and meets int8 activations (int4_i8_linear)
+        self.int8 = False  # ... and meets int8 activations (int4_i8_linear)
 
     def use_kernels(self, layer: nn.Module, kernels: Kernels, device_type: str) -> None:
         self.dense_rows, repack = _int4_kernels(
@@ -373,7 +374,7 @@ class Int4LinearMethod(LinearMethod):
         )
         if repack:
             self._repack_for_vnni(layer)
-        self.int8_activations = self.vnni and kernels.int8_activations
+        self.int8 = self.vnni and kernels.int8_for(layer.output_projection)
 
     def _repack_for_vnni(self, layer: nn.Module) -> None:
         """Post-load preparation for the fused backend: torch's packed layout → the int8-dot
@@ -403,7 +404,7 @@ class Int4LinearMethod(LinearMethod):
             self.group_size,
             self.vnni,
             self.dense_rows,
-            self.int8_activations,
+            self.int8,
         )
         return _finish(y, x, bias)
 
@@ -411,7 +412,7 @@ class Int4LinearMethod(LinearMethod):
         # The program's int4 kernels are the VNNI layout's (groups of 32, repacked at load).
         if not self.vnni:
             return None
-        kind = ProgramOperand.INT4_I8 if self.int8_activations else ProgramOperand.INT4_VNNI
+        kind = ProgramOperand.INT4_I8 if self.int8 else ProgramOperand.INT4_VNNI
         return ProgramOperand(kind, layer.qweight, layer.scales_zeros, self.dense_rows)
 
 
@@ -515,7 +516,7 @@ class Int4ExpertsMethod(ExpertsMethod):
         self.group_size = group_size
         self.dense_rows = 0  # fused backend: widen to bf16 from this many rows (0: never)
         self.vnni = False  # fused backend: the stacks are repacked for int4_bf16_linear
-        self.int8_activations = False  # ... and meet int8 activations (int4_i8_linear)
+        self.int8: tuple[str, ...] = ()  # ... the stacks ("13", "2") meeting int8 activations
 
     def create_weights(self, experts: nn.Module, e: int, two_i: int, h: int) -> None:
         for which, (out_f, in_f) in (("13", (two_i, h)), ("2", (h, two_i // 2))):
@@ -543,7 +544,9 @@ class Int4ExpertsMethod(ExpertsMethod):
         self.dense_rows, repack = _int4_kernels(kernels, device_type, out_rows, self.group_size)
         if repack:
             self._repack_for_vnni(experts)
-        self.int8_activations = self.vnni and kernels.int8_activations
+        # w2 is the experts' output projection (its input: silu(gate) · up, not a norm's).
+        stacks = (("13", False), ("2", True))
+        self.int8 = tuple(w for w, out in stacks if self.vnni and kernels.int8_for(out))
 
     def _repack_for_vnni(self, experts: nn.Module) -> None:
         """Each expert's tensors → the int8-dot layout (same values), stacked again; torch's
@@ -569,7 +572,7 @@ class Int4ExpertsMethod(ExpertsMethod):
             self.group_size,
             self.vnni,
             self.dense_rows,
-            self.int8_activations,
+            which in self.int8,
         )
 
     @torch.no_grad()

@@ -39,7 +39,7 @@ class ModelRunner:
         driver: bool = True,
         backend: str = "reference",
         step_program: bool = False,
-        int8_activations: bool = False,
+        int8_activations: str = "none",
         max_num_seqs: int = 64,
         decode_graphs: bool | None = None,
         ngram_speculation: int = 0,

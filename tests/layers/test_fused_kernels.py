@@ -316,6 +316,25 @@ def test_backend_choice_is_explained() -> None:
         resolve_backend("fast", torch.device("cpu"))
 
 
+def test_int8_activations_policy_is_explained() -> None:
+    """--int8-activations: none anywhere; out_proj and all with the fused CPU backend only, and
+    a reason otherwise; the kernel set says which layers take them."""
+    from dsinfer.layers.backend import kernels_of, resolve_int8_activations
+
+    cpu = torch.device("cpu")
+    assert resolve_int8_activations("none", "reference", cpu) == "none"
+    with pytest.raises(ValueError, match="kernel of the fused CPU backend.*use none"):
+        resolve_int8_activations("all", "reference", cpu)
+    with pytest.raises(ValueError, match="unknown int8 activations 'some'"):
+        resolve_int8_activations("some", "fused", cpu)
+    if torch.ops.dsinfer.int4_i8_supported():
+        assert resolve_int8_activations("out_proj", "fused", cpu) == "out_proj"
+    out_proj, every = kernels_of("fused", "out_proj"), kernels_of("fused", "all")
+    assert out_proj.int8_for(True) and not out_proj.int8_for(False)
+    assert every.int8_for(True) and every.int8_for(False)
+    assert not kernels_of("fused").int8_for(True)
+
+
 @pytest.mark.parametrize("out_f,in_f,group", [(128, 64, 32), (192, 128, 64)])
 def test_int4_widening_for_prefill_equals_the_packed_kernel(out_f: int, in_f: int, group: int):
     """Many rows take a dense GEMM over the widened weight: same values as torch's kernel."""
@@ -691,3 +710,46 @@ def test_mla_decode_rotary_and_latent_write_match_the_reference(dtype: torch.dty
     untouched = torch.ones(8, bs, dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(got_cache[untouched], cache[untouched])  # nothing else written
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16])
+def test_int4_int8_activations_kernel_is_llama_cpps_arithmetic(rows: int) -> None:
+    """--int8-activations: int4_i8_linear rounds each group of 32 activations to int8 (scale
+    max|x| / 127, half to even) and multiplies them with the codes in exact integers; the zero
+    points meet the activations' own sum. Against the same arithmetic in torch (_q8_reference)
+    it is off by fp32 rounding only, for fp32 and bf16 rows; a row's result does not depend on
+    the rows beside it (chunks of 6 rows and their remainders); the int16 pair sums of a group
+    do not saturate at the extremes (every code 15, every activation at ±127)."""
+    from dsinfer.layers.int4_pack import int4_block_rows
+    from dsinfer.layers.quant import quantize_int4
+
+    if not torch.ops.dsinfer.int4_i8_supported():
+        pytest.skip("no AVX2 + FMA: the int8-activation kernel is not built here")
+    g = torch.Generator().manual_seed(11)
+    out_f, in_f = 192, 256
+    weights = torch.randn(out_f, in_f, generator=g) * 0.05
+    weights[:64] = weights[:64].abs() + 1.0  # a block of rows whose codes are all 15 at x ≥ 0
+    q = quantize_int4(weights, 32, torch.bfloat16)
+    codes, sz = torch.ops.dsinfer.int4_vnni_pack(
+        q["qweight"], 32, q["scales_zeros"], int4_block_rows()
+    )
+    w_exact = torch._weight_int4pack_mm_for_cpu(
+        torch.eye(in_f), q["qweight"], 32, q["scales_zeros"].float()
+    )  # [in, out]
+    x = torch.randn(rows, in_f, generator=g)
+    x[0] = 3.0  # every activation of row 0 rounds to +127
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = torch.ops.dsinfer.int4_i8_linear(xd, codes, sz)
+        assert got.dtype == dtype and got.shape == (rows, out_f)
+        want = _q8_reference(xd, w_exact, q["scales_zeros"])
+        tol = 1e-5 if dtype == torch.float32 else 2**-8
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=1e-4 * want.abs().max().item())
+        alone = torch.cat([torch.ops.dsinfer.int4_i8_linear(r, codes, sz) for r in xd.split(1)])
+        assert torch.equal(got, alone)
+    # Coarser than the int16 kernel (random rows: row 0 above rounds exactly).
+    x = torch.randn(4, in_f, generator=g)
+    exact = x.double() @ w_exact.double()
+    i16 = torch.ops.dsinfer.int4_bf16_linear(x, codes, sz)
+    i8 = torch.ops.dsinfer.int4_i8_linear(x, codes, sz)
+    assert (i8.double() - exact).abs().mean() > 4 * (i16.double() - exact).abs().mean()

@@ -220,21 +220,27 @@ def test_an_artifacts_int4_bytes_convert_from_either_layout(layout: str) -> None
         int4_to_this_layout(stored, "torch-cpu-default")
 
 
-@pytest.mark.parametrize("kernels_name", ["reference", "fused"])
-def test_int4_experts_multiply_as_int4_linears_do(kernels_name: str) -> None:
+@pytest.mark.parametrize(
+    ("kernels_name", "int8"), [("reference", "none"), ("fused", "none"), ("fused", "all")]
+)
+def test_int4_experts_multiply_as_int4_linears_do(kernels_name: str, int8: str) -> None:
     """Each expert of an int4 stack gives exactly what an int4 Linear with the same weight
-    gives, on both backends (the fused one repacks the stacks as it repacks a Linear) and at
-    every kernel choice by rows (1, a few, past the dense threshold)."""
-    from dsinfer.layers.backend import resolve_backend
+    gives, on both backends (the fused one repacks the stacks as it repacks a Linear), with
+    int8 activations or not, and at every kernel choice by rows (1, a few, past the dense
+    threshold)."""
+    from dsinfer.layers.backend import kernels_of
     from dsinfer.layers.quant import Int4ExpertsMethod
 
-    kernels = resolve_backend(kernels_name, torch.device("cpu"))
+    if int8 != "none" and not torch.ops.dsinfer.int4_i8_supported():
+        pytest.skip("no AVX2 + FMA: the int8-activation kernel is not built here")
+    kernels = kernels_of(kernels_name, int8)
     experts = _experts(64)
     w13, w2 = experts.w13.data.clone(), experts.w2.data.clone()
     Int4ExpertsMethod(32).quantize(experts, torch.bfloat16)
     assert experts.q13.dtype == torch.uint8 and "w13" not in experts._parameters
     experts.use_kernels(kernels, "cpu")
     assert experts.method.vnni == (kernels_name == "fused")
+    assert experts.method.int8 == (("13", "2") if int8 == "all" else ())
     torch.manual_seed(6)
     for which, w in (("13", w13), ("2", w2)):
         for e in (0, 3):

@@ -157,3 +157,20 @@ def test_a_layer_without_a_program_kernel_leaves_the_step_eager(tmp_path, caplog
     assert "decode steps run layer by layer: layer 0 o: no step-program kernel" in caplog.text
     out = llm.generate(["hello"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_smollm2_int8_activations_program_equals_eager():
+    """--int8-activations out_proj: the program multiplies o_proj and down_proj with the int8
+    kernel (int4_i8_linear) and the other int4 layers as before, as the eager path does."""
+    if not torch.ops.dsinfer.int4_i8_supported():
+        pytest.skip("no AVX2 + FMA: the int8-activation kernel is not built here")
+    llm = LLM("smollm2", kv_cache_memory="32MiB", int8_activations="out_proj")
+    layer = llm.engine.executor.runner.model.model.layers[0]
+    assert layer.self_attn.o_proj.method.int8 and layer.mlp.down_proj.method.int8
+    assert not layer.self_attn.qkv_proj.method.int8 and not layer.mlp.gate_up_proj.method.int8
+    _assert_program_equals_eager(llm, ((7,), (5, 9, 17)))
+    with torch.profiler.profile() as prof:
+        llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
+    names = {e.key for e in prof.key_averages()}
+    assert {"dsinfer::int4_i8_linear", "dsinfer::int4_bf16_linear"} <= names, names
+    assert_pool_clean(llm.engine)

@@ -26,9 +26,16 @@ class Kernels:
     ]
     # [T, 2I] laid out [gate | up] → silu(gate) · up: [T, I]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    # int4 weights meet activations rounded to int8 per group of 32 (llama.cpp's arithmetic,
-    # opted into with --int8-activations: faster, less exact; layers/quant.py's int4_mm).
-    int8_activations: bool = False
+    # Which int4 layers meet activations rounded to int8 per group of 32 (llama.cpp's
+    # arithmetic; layers/quant.py's int4_mm): none, out_proj (the blocks' output projections,
+    # whose inputs are not an RMSNorm's output) or all (--int8-activations).
+    int8_activations: str = "none"
+
+    def int8_for(self, output_projection: bool) -> bool:
+        """Whether a layer (a block's output projection or not) takes int8 activations."""
+        return self.int8_activations == "all" or (
+            self.int8_activations == "out_proj" and output_projection
+        )
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
