@@ -1167,6 +1167,91 @@ void prefill_tile(const T* q, T* out, int64_t H, int64_t G, int64_t kvh, int64_t
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// prefill_tile on 8 lanes, for CPUs without AVX-512 (before: the reference's fp32 SDPA, with
+// its copies to fp32 and, past a cached prefix, a gathered context and a mask). 8 queries sit
+// in the lanes; a run of 16 keys is taken 8 at a time (8 score vectors, 4 query vectors and a
+// broadcast fill AVX2's 16 registers), each half updating the running max, sum and output.
+template <int V, typename T, typename KeyBlock, typename ValueBlock>
+void prefill_tile_avx2(const T* q, T* out, int64_t H, int64_t G, int64_t kvh, int64_t i0, int64_t rows,
+                       int64_t p0, const KeyBlock& key, const ValueBlock& value, int64_t bs, float sc,
+                       float* kbuf, float* vbuf, float* qt, float* ot, __m256* m, __m256* l) {
+  constexpr int64_t D = V * 16;
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = _mm256_set1_ps(-1e30f);  // finite: the first half's rescale factor is 0, not NaN
+    l[g] = _mm256_setzero_ps();
+    float* qg = qt + g * D * 8;
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t r = 0; r < 8; ++r) qg[d * 8 + r] = r < rows ? f32(q[((i0 + r) * H + kvh * G + g) * D + d]) * sc : 0.f;
+    std::fill(ot + g * D * 8, ot + (g + 1) * D * 8, 0.f);
+  }
+  // A run's rows as fp32 (widened or copied), rows past n zeroed: the loops read 16 rows.
+  const auto as_f32 = [&](const T* rows_, int64_t n, float* buf) -> const float* {
+    if constexpr (std::is_same_v<T, float>) {
+      if (n == 16) return rows_;
+    }
+    for (int64_t i = 0; i < n * 2 * V; ++i) _mm256_storeu_ps(buf + i * 8, load8(rows_ + i * 8));
+    std::fill(buf + n * D, buf + 16 * D, 0.f);
+    return buf;
+  };
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for_token_runs(p0 + rows, bs, D, key, [&](int64_t t0, const T* krows, int64_t n) {
+    const float* kr = as_f32(krows, n, kbuf);
+    const float* vr = as_f32(value(t0 / bs) + (t0 % bs) * D, n, vbuf);
+    for (int64_t h0 = 0; h0 < n; h0 += 8) {
+      const int64_t n8 = std::min<int64_t>(8, n - h0);
+      const float* k = kr + h0 * D;
+      const float* v = vr + h0 * D;
+      // Lanes (queries r) that see key t0 + h0 + t: r ≥ t0 + h0 + t − p0 (causal), t < n8.
+      __m256 see[8];
+      for (int64_t t = 0; t < 8; ++t) {
+        const int64_t first = t < n8 ? t0 + h0 + t - p0 : 8;
+        const __m256i bound = _mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(first, 0, 8)) - 1);
+        see[t] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, bound));
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qt + g * D * 8;
+        __m256 s[8];
+        for (int t = 0; t < 8; ++t) s[t] = _mm256_setzero_ps();
+        for (int64_t d0 = 0; d0 < D; d0 += 4) {  // 4 query vectors in registers a pass
+          __m256 qv[4];
+          for (int j = 0; j < 4; ++j) qv[j] = _mm256_loadu_ps(qg + (d0 + j) * 8);
+          for (int t = 0; t < 8; ++t)
+            for (int j = 0; j < 4; ++j) s[t] = _mm256_fmadd_ps(qv[j], _mm256_broadcast_ss(k + t * D + d0 + j), s[t]);
+        }
+        __m256 mx = m[g];
+        for (int t = 0; t < 8; ++t) mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, s[t], see[t]));
+        const __m256 alpha = exp8(_mm256_sub_ps(m[g], mx));
+        m[g] = mx;
+        __m256 sum = _mm256_setzero_ps();
+        for (int t = 0; t < 8; ++t) {
+          s[t] = _mm256_and_ps(see[t], exp8(_mm256_sub_ps(s[t], mx)));
+          sum = _mm256_add_ps(sum, s[t]);
+        }
+        l[g] = _mm256_fmadd_ps(l[g], alpha, sum);
+        float* og = ot + g * D * 8;
+        for (int64_t d0 = 0; d0 < D; d0 += 4) {  // 4 output dims (vectors of queries) a pass
+          __m256 acc[4];
+          for (int j = 0; j < 4; ++j) acc[j] = _mm256_mul_ps(_mm256_loadu_ps(og + (d0 + j) * 8), alpha);
+          for (int64_t t = 0; t < n8; ++t)
+            for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(s[t], _mm256_broadcast_ss(v + t * D + d0 + j), acc[j]);
+          for (int j = 0; j < 4; ++j) _mm256_storeu_ps(og + (d0 + j) * 8, acc[j]);
+        }
+      }
+    }
+  });
+  for (int64_t g = 0; g < G; ++g) {
+    const float* og = ot + g * D * 8;
+    alignas(32) float inv[8];
+    _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), l[g]));
+    for (int64_t r = 0; r < rows; ++r) {
+      T* o = out + ((i0 + r) * H + kvh * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(og[d * 8 + r] * inv[r]);
+    }
+  }
+}
+#endif
+
 // Causal attention of one sequence's prefill chunk straight from the paged cache, into which
 // the chunk's own keys and values were written first: no gathered copy of the context, no
 // mask tensor, no fp32 copies. q [Q, H, D] (rotated); caches [blocks, KV, bs, D]; table
@@ -1214,14 +1299,42 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   } else {
     run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK(avx_head_dim(D) && H / KV <= 8, "paged_prefill_attention: head dim a multiple of 16 up to 128, "
+              "at most 8 query heads a KV head");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: fp32 or bf16 only");
+  const auto run = [&](auto* qp, auto* kc, auto* vc, auto* op) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+    const int64_t G = H / KV, tiles = (Q + 7) / 8, p_first = ctx - Q;
+    at::parallel_for(0, KV * tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> kbuf(16 * D), vbuf(16 * D), qt(G * D * 8), ot(G * D * 8);
+      __m256 m[8], l[8];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t kvh = task % KV, i0 = (task / KV) * 8, rows = std::min<int64_t>(8, Q - i0);
+        const auto key = [&](int64_t j) -> const T* { return kc + (tp[j] * KV + kvh) * bs * D; };
+        const auto value = [&](int64_t j) -> const T* { return vc + (tp[j] * KV + kvh) * bs * D; };
+        with_vectors(D, [&]<int V>() {
+          prefill_tile_avx2<V, T>(qp, op, H, G, kvh, i0, rows, p_first + i0, key, value, bs,
+                                  static_cast<float>(scale), kbuf.data(), vbuf.data(), qt.data(), ot.data(), m, l);
+        });
+      }
+    });
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    using B = c10::BFloat16;
+    run(q.data_ptr<B>(), k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), out.data_ptr<B>());
+  } else {
+    run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
+  }
 #else
-  TORCH_CHECK(false, "paged_prefill_attention: this build has no AVX-512");
+  TORCH_CHECK(false, "paged_prefill_attention: this build has neither AVX-512 nor AVX2/FMA");
 #endif
   return out;
 }
 
 bool paged_prefill_supported(int64_t head_dim, int64_t group) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return avx_head_dim(head_dim) && group <= 8;
 #else
   return false;
