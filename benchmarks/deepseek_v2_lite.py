@@ -48,6 +48,7 @@ def main() -> int:
     p.add_argument("--quant", default="int8", choices=["int8", "int4"])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--int8-activations", default="none", choices=["none", "out_proj", "all"])
     args = p.parse_args()
     t0 = time.perf_counter()
     llm = LLM(
@@ -58,6 +59,7 @@ def main() -> int:
         tokenizer=tokenizer_dir(),
         kv_cache_memory="1GiB",
         max_model_len=4096,
+        int8_activations=args.int8_activations,
     )
     load = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
