@@ -1094,7 +1094,26 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
   return out;
 }
 
+// A prefill tile's W queries of head `head` (rows i0..i0 + rows of q [Q, H, D]) transposed to
+// qg [D][W], scaled, the lanes past `rows` zero; and the tile's output og [D][W] divided by
+// each query's sum (inv) into its rows of out.
+template <int64_t W, typename T>
+inline void tile_queries(const T* q, float* qg, int64_t H, int64_t head, int64_t D, int64_t i0, int64_t rows,
+                         float sc) {
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t r = 0; r < W; ++r) qg[d * W + r] = r < rows ? f32(q[((i0 + r) * H + head) * D + d]) * sc : 0.f;
+}
+template <int64_t W, typename T>
+inline void tile_store(const float* og, const float* inv, T* out, int64_t H, int64_t head, int64_t D, int64_t i0,
+                       int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* o = out + ((i0 + r) * H + head) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(og[d * W + r] * inv[r]);
+  }
+}
+
 #if defined(__AVX512F__)
+constexpr int64_t kPrefillTile = 16;  // queries a tile: the lanes of a vector
 // One (KV head, tile of 16 queries) of a prefill chunk, flash-style: the 16 queries sit in the
 // lanes of a vector, so scores, the running max and sum, and the output (kept transposed,
 // [D][16 queries]) all update lane-wise, with no horizontal sums; keys come in runs of 16
@@ -1110,10 +1129,7 @@ void prefill_tile(const T* q, T* out, int64_t H, int64_t G, int64_t kvh, int64_t
   for (int64_t g = 0; g < G; ++g) {
     m[g] = _mm512_set1_ps(-1e30f);  // finite: the first run's rescale factor is 0, not NaN
     l[g] = _mm512_setzero_ps();
-    float* qg = qt + g * D * 16;
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t r = 0; r < 16; ++r)
-        qg[d * 16 + r] = r < rows ? f32(q[((i0 + r) * H + kvh * G + g) * D + d]) * sc : 0.f;
+    tile_queries<16>(q, qt + g * D * 16, H, kvh * G + g, D, i0, rows, sc);
     std::fill(ot + g * D * 16, ot + (g + 1) * D * 16, 0.f);
   }
   for_token_runs(p0 + rows, bs, D, key, [&](int64_t t0, const T* krows, int64_t n) {
@@ -1156,33 +1172,29 @@ void prefill_tile(const T* q, T* out, int64_t H, int64_t G, int64_t kvh, int64_t
     }
   });
   for (int64_t g = 0; g < G; ++g) {
-    const float* og = ot + g * D * 16;
     alignas(64) float inv[16];
     _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
-    for (int64_t r = 0; r < rows; ++r) {
-      T* o = out + ((i0 + r) * H + kvh * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(og[d * 16 + r] * inv[r]);
-    }
+    tile_store<16>(ot + g * D * 16, inv, out, H, kvh * G + g, D, i0, rows);
   }
 }
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// prefill_tile on 8 lanes, for CPUs without AVX-512 (before: the reference's fp32 SDPA, with
+constexpr int64_t kPrefillTile = 8;
+// prefill_tile on 8 lanes, for CPUs without AVX-512 (session 19; before: the reference's fp32 SDPA, with
 // its copies to fp32 and, past a cached prefix, a gathered context and a mask). 8 queries sit
 // in the lanes; a run of 16 keys is taken 8 at a time (8 score vectors, 4 query vectors and a
 // broadcast fill AVX2's 16 registers), each half updating the running max, sum and output.
 template <int V, typename T, typename KeyBlock, typename ValueBlock>
-void prefill_tile_avx2(const T* q, T* out, int64_t H, int64_t G, int64_t kvh, int64_t i0, int64_t rows,
-                       int64_t p0, const KeyBlock& key, const ValueBlock& value, int64_t bs, float sc,
-                       float* kbuf, float* vbuf, float* qt, float* ot, __m256* m, __m256* l) {
+void prefill_tile(const T* q, T* out, int64_t H, int64_t G, int64_t kvh, int64_t i0, int64_t rows,
+                  int64_t p0, const KeyBlock& key, const ValueBlock& value, int64_t bs, float sc,
+                  float* kbuf, float* vbuf, float* qt, float* ot) {
   constexpr int64_t D = V * 16;
+  __m256 m[8], l[8];  // per head: running max and sum, one lane per query (G ≤ 8)
   for (int64_t g = 0; g < G; ++g) {
     m[g] = _mm256_set1_ps(-1e30f);  // finite: the first half's rescale factor is 0, not NaN
     l[g] = _mm256_setzero_ps();
-    float* qg = qt + g * D * 8;
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t r = 0; r < 8; ++r) qg[d * 8 + r] = r < rows ? f32(q[((i0 + r) * H + kvh * G + g) * D + d]) * sc : 0.f;
+    tile_queries<8>(q, qt + g * D * 8, H, kvh * G + g, D, i0, rows, sc);
     std::fill(ot + g * D * 8, ot + (g + 1) * D * 8, 0.f);
   }
   // A run's rows as fp32 (widened or copied), rows past n zeroed: the loops read 16 rows.
@@ -1241,13 +1253,9 @@ void prefill_tile_avx2(const T* q, T* out, int64_t H, int64_t G, int64_t kvh, in
     }
   });
   for (int64_t g = 0; g < G; ++g) {
-    const float* og = ot + g * D * 8;
     alignas(32) float inv[8];
     _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), l[g]));
-    for (int64_t r = 0; r < rows; ++r) {
-      T* o = out + ((i0 + r) * H + kvh * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = from_f32<T>(og[d * 8 + r] * inv[r]);
-    }
+    tile_store<8>(ot + g * D * 8, inv, out, H, kvh * G + g, D, i0, rows);
   }
 }
 #endif
@@ -1272,51 +1280,24 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   for (int64_t j = 0; j * bs < ctx; ++j)
     TORCH_CHECK(tp[j] >= 0 && tp[j] < k_cache.size(0), "block id out of range");
   auto out = at::empty_like(q);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   TORCH_CHECK(avx_head_dim(D) && H / KV <= 8, "paged_prefill_attention: head dim a multiple of 16 up to 128, "
               "at most 8 query heads a KV head");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_prefill_attention: fp32 or bf16 only");
+  constexpr int64_t W = kPrefillTile;  // this build's tile: 16 queries (AVX-512) or 8 (AVX2)
   const auto run = [&](auto* qp, auto* kc, auto* vc, auto* op) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
-    const int64_t G = H / KV, tiles = (Q + 15) / 16, p_first = ctx - Q;
+    const int64_t G = H / KV, tiles = (Q + W - 1) / W, p_first = ctx - Q;
     at::parallel_for(0, KV * tiles, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> kbuf(16 * D), vbuf(16 * D), qt(G * D * 16), ot(G * D * 16);
+      std::vector<float> kbuf(16 * D), vbuf(16 * D), qt(G * D * W), ot(G * D * W);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t kvh = task % KV, i0 = (task / KV) * 16, rows = std::min<int64_t>(16, Q - i0);
+        const int64_t kvh = task % KV, i0 = (task / KV) * W, rows = std::min<int64_t>(W, Q - i0);
         const auto key = [&](int64_t j) -> const T* { return kc + (tp[j] * KV + kvh) * bs * D; };
         const auto value = [&](int64_t j) -> const T* { return vc + (tp[j] * KV + kvh) * bs * D; };
         with_vectors(D, [&]<int V>() {
           prefill_tile<V, T>(qp, op, H, G, kvh, i0, rows, p_first + i0, key, value, bs,
                              static_cast<float>(scale), kbuf.data(), vbuf.data(), qt.data(), ot.data());
-        });
-      }
-    });
-  };
-  if (q.scalar_type() == at::kBFloat16) {
-    using B = c10::BFloat16;
-    run(q.data_ptr<B>(), k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), out.data_ptr<B>());
-  } else {
-    run(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  TORCH_CHECK(avx_head_dim(D) && H / KV <= 8, "paged_prefill_attention: head dim a multiple of 16 up to 128, "
-              "at most 8 query heads a KV head");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention: fp32 or bf16 only");
-  const auto run = [&](auto* qp, auto* kc, auto* vc, auto* op) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
-    const int64_t G = H / KV, tiles = (Q + 7) / 8, p_first = ctx - Q;
-    at::parallel_for(0, KV * tiles, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> kbuf(16 * D), vbuf(16 * D), qt(G * D * 8), ot(G * D * 8);
-      __m256 m[8], l[8];
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t kvh = task % KV, i0 = (task / KV) * 8, rows = std::min<int64_t>(8, Q - i0);
-        const auto key = [&](int64_t j) -> const T* { return kc + (tp[j] * KV + kvh) * bs * D; };
-        const auto value = [&](int64_t j) -> const T* { return vc + (tp[j] * KV + kvh) * bs * D; };
-        with_vectors(D, [&]<int V>() {
-          prefill_tile_avx2<V, T>(qp, op, H, G, kvh, i0, rows, p_first + i0, key, value, bs,
-                                  static_cast<float>(scale), kbuf.data(), vbuf.data(), qt.data(), ot.data(), m, l);
         });
       }
     });
@@ -2536,8 +2517,8 @@ at::Tensor int4_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const 
 // unsigned bytes by 32 signed bytes an instruction at about the same rate: with the codes as
 // the unsigned bytes (0..15) and the activations rounded to int8 per group of 32 (d = max|x| /
 // 127, as llama.cpp's Q8 activations), twice the products an instruction. The price is the
-// activations' precision: 128× coarser than int16, +1-2% perplexity on SmolLM2 (docs/
-// backends.md), so it is never the default. Same packed layout; the formula above, except
+// activations' precision: ~258× coarser than int16, +0.9-1.5% perplexity on SmolLM2 with every
+// int4 layer (docs/backends.md), so it is never the default. Same packed layout; the formula above, except
 // that the zero points meet the activations' own sum (free, and the rounding stays out of it):
 //   Σ_k w[o,k] x[k] = s[g,o] · d · Σ_k q[o,k] xq[k] + (z[g,o] − 8 s[g,o]) · Σ_k x[k]
 // A lane's dword holds inputs k..k+3 in its low nibbles and k+4..k+7 in its high ones (byte b:
