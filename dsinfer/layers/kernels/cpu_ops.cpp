@@ -849,6 +849,18 @@ inline void rope_row_bf16(const c10::BFloat16* x, const c10::BFloat16* c, const 
     store16(out + j, lo);
     store16(out + half + j, hi);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The same on 8 lanes (session 19; the scalar loop took ~0.9 ms of a 480-row SmolLM2 layer).
+  const c10::BFloat16* bf16 = nullptr;  // round8's rounding: to bf16 and back
+  for (; j + 8 <= half; j += 8) {
+    const __m256 x1 = load8(x + j), x2 = load8(x + half + j);
+    const __m256 lo = _mm256_add_ps(round8(_mm256_mul_ps(x1, load8(c + j)), bf16),
+                                    round8(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), load8(s + j)), bf16));
+    const __m256 hi = _mm256_add_ps(round8(_mm256_mul_ps(x2, load8(c + half + j)), bf16),
+                                    round8(_mm256_mul_ps(x1, load8(s + half + j)), bf16));
+    store8(out + j, lo);
+    store8(out + half + j, hi);
+  }
 #endif
   const auto rnd = [](float v) { return f32(from_f32<c10::BFloat16>(v)); };
   for (; j < half; ++j) {
