@@ -229,8 +229,10 @@ def test_int4_experts_multiply_as_int4_linears_do(kernels_name: str, int8: str) 
     int8 activations or not, and at every kernel choice by rows (1, a few, past the dense
     threshold)."""
     from dsinfer.layers.backend import kernels_of
+    from dsinfer.layers.kernels.cpu_build import load_cpu_ops
     from dsinfer.layers.quant import Int4ExpertsMethod
 
+    assert load_cpu_ops() is None  # the fused kernels load here (as the other tests assume)
     if int8 != "none" and not torch.ops.dsinfer.int4_i8_supported():
         pytest.skip("no AVX2 + FMA: the int8-activation kernel is not built here")
     kernels = kernels_of(kernels_name, int8)
