@@ -1886,16 +1886,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
-// ---- The int8 LM head on AVX2: int8 weights × int16 activations ---------------------------
-// AVX2 has no int8 × int8 dot product that keeps the activations' precision, and the fp32
-// path above (dot_i8_rows) spends an FMA on every 8 products: 16 rows of SmolLM2's 49152 × 576
-// head took 8 ms a decode step on a Zen 2 (~50 GMAC/s). Here each row of activations is
-// rounded to int16 with one scale, d = max|x| / 32767, and `vpmaddwd` multiplies 16 weight–
-// activation pairs into exact int32 sums: 16 products an instruction, from torch's own int8
-// layout [O, K] (nothing repacked). An element's rounding error is at most d / 2 = max|x| /
-// 65534: below its own bf16 rounding (|x| · 2^-9) wherever |x| ≥ max|x| / 128, and tiny in
-// absolute terms elsewhere. A row's arithmetic does not depend on the other rows of the call,
-// nor on the row count (batch invariance: the same kernel for every decode batch).
 // Elements [at, at + n) of x (fp32 or bf16) rounded to Q's symmetric range with one scale:
 // q = x · L / max|x| to nearest even, L = 32767 (int16) or 127 (int8); returns the scale
 // d = max|x| / L (v: n floats of scratch). The activations of the AVX2 kernels: a row of the
@@ -1912,6 +1902,21 @@ inline float round_to_int(const void* x, bool bf16, int64_t at, int64_t n, float
   return amax / kLevels;
 }
 
+// How far ahead of its loads an AVX2 int4 kernel asks for the codes (bytes): one core's
+// hardware prefetcher alone kept too few lines in flight (SmolLM2's 30 layers at one row,
+// weights from memory, Zen 2: 5.9-6.4 ms without, 5.1 at 1 KB ahead, 5.3-5.4 at 4 KB).
+constexpr int64_t kInt4Ahead = 1024;
+
+// ---- The int8 LM head on AVX2: int8 weights × int16 activations ---------------------------
+// AVX2 has no int8 × int8 dot product that keeps the activations' precision, and the fp32
+// path above (dot_i8_rows) spends an FMA on every 8 products: 16 rows of SmolLM2's 49152 × 576
+// head took 8 ms a decode step on a Zen 2 (~50 GMAC/s). Here each row of activations is
+// rounded to int16 with one scale, d = max|x| / 32767, and `vpmaddwd` multiplies 16 weight–
+// activation pairs into exact int32 sums: 16 products an instruction, from torch's own int8
+// layout [O, K] (nothing repacked). An element's rounding error is at most d / 2 = max|x| /
+// 65534: below its own bf16 rounding (|x| · 2^-9) wherever |x| ≥ max|x| / 128, and tiny in
+// absolute terms elsewhere. A row's arithmetic does not depend on the other rows of the call,
+// nor on the row count (batch invariance: the same kernel for every decode batch).
 #if DSINFER_AVX2_QUANT
 struct I16Rows {
   int64_t K;
@@ -2386,12 +2391,6 @@ struct I16PairRows {
   const float* row_sums(int64_t m) const { return sums.get() + m * G; }
 };
 
-// How far ahead of its loads the first half's pass asks for the codes (bytes): one core's
-// hardware prefetcher alone kept too few lines in flight (SmolLM2's 30 layers at one row,
-// weights from memory, Zen 2: 5.9-6.4 ms without, 5.1 at 1 KB ahead, 5.3-5.4 at 4 KB).
-constexpr int64_t kInt4Ahead = 1024;
-
-
 // 16 outputs (one block) for M rows: out[m][16], in two halves of 8 outputs (a half's 32
 // bytes of each chunk: its 8 lanes). M ≤ 8 int32 sums, 4 unpacked code vectors and the mask
 // fit AVX2's 16 registers.
@@ -2582,7 +2581,7 @@ inline void i8_block(const uint8_t* codes, const c10::BFloat16* sz, int64_t K, c
     for (int m = 0; m < M; ++m) dot[m][0] = dot[m][1] = __v16hi{};
     for (int64_t c = 0; c < 4; ++c) {
       const uint8_t* cp = codes + (g * 4 + c) * 64;
-      _mm_prefetch((const char*)(cp + 1024), _MM_HINT_T0);  // as kInt4Ahead
+      _mm_prefetch((const char*)(cp + kInt4Ahead), _MM_HINT_T0);
       const __m256i v0 = _mm256_loadu_si256((const __m256i*)cp), v1 = _mm256_loadu_si256((const __m256i*)(cp + 32));
       const __m256i lo0 = _mm256_and_si256(v0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi32(v0, 4), mask);
       const __m256i lo1 = _mm256_and_si256(v1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi32(v1, 4), mask);
