@@ -190,7 +190,7 @@ def compile_with_report(
     fused = decode_ops(compiled, "fused")
     try:
         program: DecodeOps | None = decode_ops(compiled, "fused", program=True)
-    except ValueError:  # this model's step is not capturable (DeepSeek): eager figures only
+    except ValueError:  # this model's step is not capturable here: eager figures only
         program = None
     return {
         "artifact": str(out),

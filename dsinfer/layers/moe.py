@@ -18,7 +18,7 @@ from dsinfer.distributed.comm import all_reduce_stage
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.activation import silu_and_mul
 from dsinfer.layers.kernels import Kernels
-from dsinfer.layers.linear import Linear
+from dsinfer.layers.linear import Linear, ProgramOperand
 
 
 class ExpertsMethod:
@@ -55,6 +55,11 @@ class ExpertsMethod:
     def matmul(self, experts: nn.Module, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
         """x [n, in] through expert e's w13 or w2."""
         return F.linear(x, getattr(experts, f"w{which}")[e])
+
+    def program_operand(self, experts: nn.Module, which: str, e: int) -> ProgramOperand | None:
+        """Expert e's w13 or w2 as the decode-step program multiplies it, exactly as `matmul`
+        does; None when the program has no kernel for this format (the step stays eager)."""
+        return ProgramOperand(ProgramOperand.DENSE, getattr(experts, f"w{which}")[e])
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +143,7 @@ class RoutedExperts(nn.Module):
         self.hidden = h
         self.method = ExpertsMethod()
         self.method.create_weights(self, len(owned), 2 * i, h)
+        self.act = silu_and_mul  # the backend's kernel after use_kernels
         # Checkpoints store each expert's gate/up/down separately: shard = (kind, expert).
         self.w13.shards = [(k, x) for x in owned for k in ("gate", "up")]  # type: ignore[attr-defined]
         self.w2.shards = [("down", x) for x in owned]  # type: ignore[attr-defined]
@@ -190,6 +196,7 @@ class RoutedExperts(nn.Module):
 
     def use_kernels(self, kernels: Kernels, device_type: str) -> None:
         self.method.use_kernels(self, kernels, device_type)
+        self.act = kernels.silu_and_mul
 
     def set_method(self, method: ExpertsMethod) -> None:
         """Swap the weight format (artifact load, compile): drops the old tensors."""
@@ -221,7 +228,7 @@ class RoutedExperts(nn.Module):
             start += n
             if e not in self.owned:
                 continue
-            h = silu_and_mul(self.method.matmul(self, xs[seg], "13", e - self.first))  # [n, I]
+            h = self.act(self.method.matmul(self, xs[seg], "13", e - self.first))  # [n, I]
             out[seg] = self.method.matmul(self, h, "2", e - self.first)
         out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)
@@ -237,9 +244,13 @@ class SharedExperts(nn.Module):
             hidden, [intermediate, intermediate], shard_names=("gate", "up"), parallel="column"
         )
         self.down_proj = Linear(intermediate, hidden, parallel="row", reduce=False)
+        self.act = silu_and_mul
+
+    def use_kernels(self, kernels: Kernels, device_type: str) -> None:  # noqa: ARG002
+        self.act = kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class MoEGate(nn.Module):

@@ -486,6 +486,13 @@ class Int8ExpertsMethod(ExpertsMethod):
         q, scales = getattr(experts, f"q{which}")[e], getattr(experts, f"s{which}")[e]
         return int8_mm(x.contiguous(), q, scales, self.fused)
 
+    def program_operand(self, experts: nn.Module, which: str, e: int) -> ProgramOperand | None:
+        # int8_mm's rules with the fused kernels: the program's INT8 kind (fused backend only).
+        if not self.fused:
+            return None
+        q, scales = getattr(experts, f"q{which}")[e], getattr(experts, f"s{which}")[e]
+        return ProgramOperand(ProgramOperand.INT8, q, scales)
+
     @torch.no_grad()
     def quantize(self, experts: RoutedExperts, dtype: torch.dtype) -> None:
         """Float experts → this layout, in place."""
@@ -574,6 +581,14 @@ class Int4ExpertsMethod(ExpertsMethod):
             self.dense_rows,
             which in self.int8,
         )
+
+    def program_operand(self, experts: nn.Module, which: str, e: int) -> ProgramOperand | None:
+        # As Int4LinearMethod's: the VNNI layout only, int8 activations where `matmul` takes them.
+        if not self.vnni:
+            return None
+        q, sz = getattr(experts, f"q{which}")[e], getattr(experts, f"sz{which}")[e]
+        kind = ProgramOperand.INT4_I8 if which in self.int8 else ProgramOperand.INT4_VNNI
+        return ProgramOperand(kind, q, sz, self.dense_rows)
 
     @torch.no_grad()
     def quantize(self, experts: RoutedExperts, dtype: torch.dtype) -> None:

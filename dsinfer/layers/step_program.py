@@ -23,6 +23,7 @@ from torch.profiler import record_function
 
 from dsinfer.layers.attention import AttentionMetadata
 from dsinfer.layers.linear import Linear, ProgramOperand
+from dsinfer.layers.moe import DeepseekMoE
 from dsinfer.layers.norm import RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -170,3 +171,134 @@ def capture_step_program(
 def _second(op: ProgramOperand) -> torch.Tensor:
     # The C++ signature takes a tensor; a dense weight has no second one.
     return op.b.data if op.b is not None else torch.empty(0)
+
+
+@dataclass(frozen=True, slots=True)
+class MlaProgramLayer:
+    """One DeepSeek decoder layer as the MLA program runs it (kernels/step_program_mla.cpp):
+    input norm; q (q_a → q_a_norm → q_b with a q LoRA), kv_a → kv_a_norm, rotary + latent write
+    + absorbed decode through kv_b, o; post-attention norm; a dense MLP (gate|up, down) or
+    DeepSeekMoE (router, routed experts, shared experts)."""
+
+    input_norm: RMSNorm
+    q: tuple[Linear, ...]  # (q_proj,) or (q_a_proj, q_b_proj)
+    q_a_norm: RMSNorm | None
+    kv_a: Linear
+    kv_a_norm: RMSNorm
+    kv_b: torch.Tensor  # kv_b_proj's weight [H·(nope + v), lora], read by the MLA kernels
+    o: Linear
+    post_norm: RMSNorm
+    mlp: tuple[Linear, Linear] | None  # a dense layer's gate|up, down
+    moe: DeepseekMoE | None
+    cache: torch.Tensor  # the latent pages [blocks, bs, lora + rope]
+
+
+def capture_mla_step_program(
+    layers: list[MlaProgramLayer],
+    final_norm: RMSNorm,
+    table_cos: torch.Tensor,
+    table_sin: torch.Tensor,
+    shape: dict[str, float],
+) -> StepProgram | str:
+    """Bind DeepSeek's layers into an MlaDecodeProgram; or say why they cannot be.
+
+    `shape`: num_heads (this rank's), nope, rope, v_dim, lora, scale, eps."""
+    if table_cos.dtype != torch.float32:
+        return "the rotary tables are not fp32"
+    eps = final_norm.eps
+    norms = [n for layer in layers for n in (layer.input_norm, layer.post_norm, layer.kv_a_norm)]
+    norms += [layer.q_a_norm for layer in layers if layer.q_a_norm is not None]
+    if any(n.eps != eps for n in norms):
+        return "the norms do not share one epsilon"
+    for i, layer in enumerate(layers):
+        attn = [*layer.q, layer.kv_a, layer.o]
+        for lin in [*attn, *(layer.mlp or ())]:
+            op = lin.program_operand()
+            if isinstance(op, str):
+                return f"layer {i}: {op}"
+        if layer.moe is not None:
+            why = _moe_unbindable(layer.moe)
+            if why:
+                return f"layer {i}: {why}"
+    program = torch.classes.dsinfer.MlaDecodeProgram(
+        table_cos,
+        table_sin,
+        final_norm.weight.data,
+        int(shape["num_heads"]),
+        int(shape["nope"]),
+        int(shape["rope"]),
+        int(shape["v_dim"]),
+        int(shape["lora"]),
+        float(shape["scale"]),
+        float(eps),
+    )
+    for layer in layers:
+        q_a_norm = layer.q_a_norm.weight.data if layer.q_a_norm is not None else None
+        program.add_layer(
+            layer.input_norm.weight.data,
+            layer.post_norm.weight.data,
+            layer.kv_a_norm.weight.data,
+            q_a_norm,
+            layer.cache,
+            layer.kv_b,
+        )
+        bound = [("attn", lin) for lin in (*layer.q, layer.kv_a, layer.o)]
+        bound += [("mlp", lin) for lin in layer.mlp or ()]
+        for part, lin in bound:
+            op = lin.program_operand()
+            assert isinstance(op, ProgramOperand)
+            bias = None if lin.bias is None else lin.bias.data
+            _add(program, part, op, bias)
+        if layer.moe is not None:
+            _bind_moe(program, layer.moe)
+    return StepProgram(program)
+
+
+def _moe_unbindable(moe: DeepseekMoE) -> str | None:
+    """Why the program cannot run this MoE layer's experts, or None."""
+    experts = moe.experts
+    if len(experts.owned) != experts.num_experts or experts.slices != 1:
+        return "expert- or tensor-parallel experts reduce across ranks"
+    for e in range(len(experts.owned)):
+        for which in ("13", "2"):
+            if experts.method.program_operand(experts, which, e) is None:
+                return f"no step-program kernel for {type(experts.method).__name__}"
+    shared = moe.shared_experts
+    if shared is not None:
+        for lin in (shared.gate_up_proj, shared.down_proj):
+            op = lin.program_operand()
+            if isinstance(op, str):
+                return f"shared experts: {op}"
+    return None
+
+
+def _bind_moe(program: torch.ScriptObject, moe: DeepseekMoE) -> None:
+    cfg, gate = moe.cfg, moe.gate
+    bias = gate.e_score_correction_bias
+    program.set_router(
+        gate.weight.data,
+        None if bias is None else bias.data,
+        cfg.top_k,
+        cfg.n_group,
+        cfg.topk_group,
+        cfg.scoring == "softmax",
+        cfg.norm_topk_prob,
+        float(cfg.routed_scaling_factor),
+    )
+    experts = moe.experts
+    for which in ("13", "2"):
+        for e in range(len(experts.owned)):
+            op = experts.method.program_operand(experts, which, e)
+            assert op is not None
+            _add(program, f"w{which}", op, None)
+    if moe.shared_experts is not None:
+        for lin in (moe.shared_experts.gate_up_proj, moe.shared_experts.down_proj):
+            op = lin.program_operand()
+            assert isinstance(op, ProgramOperand)
+            _add(program, "shared", op, None)
+
+
+def _add(
+    program: torch.ScriptObject, part: str, op: ProgramOperand, bias: torch.Tensor | None
+) -> None:
+    program.add_linear(part, op.kind, op.a.data, _second(op), bias, op.dense_from_rows)

@@ -23,6 +23,7 @@ from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.moe import DeepseekMoE, MoEConfig
 from dsinfer.layers.norm import RMSNorm
 from dsinfer.layers.rotary import RotaryEmbedding, StepRope, yarn_mscale
+from dsinfer.layers.step_program import MlaProgramLayer, capture_mla_step_program
 from dsinfer.models.deepseek_mtp import build_mtp_layer, map_mtp_name, mtp_forward
 from dsinfer.models.hf_config import common_config, refuse_mlp_bias
 from dsinfer.models.llama import LlamaForCausalLM, LlamaMLP
@@ -91,7 +92,9 @@ class MLA(nn.Module):
             q = self.q_proj(x)
         q = q.view(t, self.h, self.nope + self.rope_dim)
         kv = self.kv_a_proj_with_mqa(x)  # [T, lora + rope]
-        c = self.kv_a_layernorm(kv[:, : self.lora])[0]  # [T, lora]
+        # Contiguous, so that the fused backend's norm kernel takes it (and the step program
+        # can run the same kernel).
+        c = self.kv_a_layernorm(kv[:, : self.lora].contiguous())[0]  # [T, lora]
         # Rotary on the rope parts, the latent (c | k_pe) into the cache, attention: the
         # backend's (one kernel for decode rows on the fused CPU backend).
         o = self.attn.forward_rope(q, kv, c, rope, cache[0], self.kv_b_proj.weight, meta)
@@ -185,8 +188,58 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     # Only the dense and shared-expert MLPs fuse gate|up; MLA's projections load as they are.
     packed_modules = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
-    def capture_step_program(self, kv_caches: list) -> str | None:  # noqa: ARG002
-        return "the step program has no MLA or MoE layers yet (their fused kernels run one by one)"
+    def capture_step_program(self, kv_caches: list) -> str | None:
+        """Bind the decoder stack (MLA + dense MLP or DeepSeekMoE layers) into one decode-step
+        program; None, or why it stays eager. The MTP layer is not part of it (drafts are
+        steps of their own, on the eager path)."""
+        state = parallel_state()
+        if state.pp_size > 1:
+            return "pipeline stages hand activations between processes"
+        dtype = self.model.norm.weight.dtype
+        layers = []
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=False)):
+            if not isinstance(layer, DeepseekDecoderLayer):
+                return f"layer {i} is not a DeepSeek decoder layer"
+            mla = layer.self_attn
+            unsupported = getattr(mla.attn, "program_unsupported", None)
+            if unsupported is None:
+                return f"layer {i}: {type(mla.attn).__name__} has no program kernel"
+            why = unsupported(mla.kv_b_proj.weight, cache[0], dtype)
+            if why:
+                return f"layer {i}: {why}"
+            dense = isinstance(layer.mlp, LlamaMLP)
+            layers.append(
+                MlaProgramLayer(
+                    input_norm=layer.input_layernorm,
+                    q=(mla.q_a_proj, mla.q_b_proj) if mla.q_lora else (mla.q_proj,),
+                    q_a_norm=mla.q_a_layernorm if mla.q_lora else None,
+                    kv_a=mla.kv_a_proj_with_mqa,
+                    kv_a_norm=mla.kv_a_layernorm,
+                    kv_b=mla.kv_b_proj.weight.data,
+                    o=mla.o_proj,
+                    post_norm=layer.post_attention_layernorm,
+                    mlp=(layer.mlp.gate_up_proj, layer.mlp.down_proj) if dense else None,
+                    moe=None if dense else layer.mlp,
+                    cache=cache[0],
+                )
+            )
+        first = self.model.layers[0].self_attn
+        shape = {
+            "num_heads": first.h,
+            "nope": first.nope,
+            "rope": first.rope_dim,
+            "v_dim": first.v,
+            "lora": first.lora,
+            "scale": first.attn.scale,
+        }
+        rotary = self.model.rotary
+        program = capture_mla_step_program(layers, self.model.norm, rotary.cos, rotary.sin, shape)
+        if isinstance(program, str):
+            return program
+        threads = program.tune_threads(self.config.hidden_size, dtype, kv_caches[0][0].shape[0])
+        logger.info("step program: intra-op threads by decode rows %s (measured)", threads)
+        self.step_program = program
+        return None
 
     @classmethod
     def config_from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:

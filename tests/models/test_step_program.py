@@ -16,7 +16,13 @@ from dsinfer import LLM, SamplingParams
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.step_io import ScheduledSeq
-from tests.helpers import VOCAB, assert_pool_clean, save_and_load
+from tests.helpers import (
+    DEEPSEEK_CASES,
+    DEEPSEEK_COMMON,
+    VOCAB,
+    assert_pool_clean,
+    save_and_load,
+)
 
 
 @torch.inference_mode()
@@ -176,3 +182,97 @@ def test_smollm2_int8_activations_program_equals_eager():
     names = {e.key for e in prof.key_averages()}
     assert {"dsinfer::int4_i8_linear", "dsinfer::int4_bf16_linear"} <= names, names
     assert_pool_clean(llm.engine)
+
+
+def _tiny_deepseek(path, case: str, quantization: str, dtype: str, **kwargs) -> LLM:  # noqa: ANN001
+    """A tiny DeepSeek checkpoint written by transformers (tests/helpers: MLA, a dense first
+    layer, then DeepSeekMoE with shared experts), its router made to matter."""
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+    )
+
+    version, extra = DEEPSEEK_CASES[case]
+    config = {**DEEPSEEK_COMMON, **extra}
+    if quantization == "int4":
+        # The int4 kernels' layout takes 64 outputs at a time and inputs in groups of 32.
+        config.update(
+            hidden_size=128,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            kv_lora_rank=48,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            q_lora_rank=64 if extra.get("q_lora_rank") else None,
+        )
+    torch.manual_seed(3)
+    cls, cfg = (
+        (DeepseekV2ForCausalLM, DeepseekV2Config)
+        if version == "v2"
+        else (DeepseekV3ForCausalLM, DeepseekV3Config)
+    )
+    model = cls(cfg(**config))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
+            if version == "v3":
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3, generator=g)
+    return save_and_load(model, path, "fused", dtype=dtype, quantization=quantization, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("case", "quantization", "dtype"),
+    [
+        ("v2-lite-shape", "none", "float32"),
+        ("v2-grouped", "int8", "bfloat16"),
+        ("v3", "int4", "bfloat16"),
+        ("v2-lite-shape", "int4", "bfloat16"),
+    ],
+)
+def test_deepseek_program_equals_eager(tmp_path, case: str, quantization: str, dtype: str):
+    """MLA (with and without a q LoRA), a dense first layer, then DeepSeekMoE (softmax and
+    greedy, group-limited, V3's sigmoid with its selection bias and renormalised weights),
+    in dense fp32, int8 and int4 weights: the program's hidden states are the eager path's."""
+    llm = _tiny_deepseek(tmp_path, case, quantization, dtype)
+    model = llm.engine.executor.runner.model
+    # Both paths on every intra-op thread: a dense fp32 GEMM's sums depend on the thread
+    # count, which capture measures per bucket (a tiny model may take one thread for 16 rows).
+    model.step_program.threads = {}
+    if quantization == "int4":  # the routed experts took the int4 kernels' layout
+        assert model.model.layers[1].mlp.experts.method.vnni
+    _assert_program_equals_eager(llm, ((7,), (5, 9, 17), tuple(range(3, 15))))
+    out = llm.generate(
+        {"prompt_token_ids": [5, 9, 33]},
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+    )
+    assert len(out[0].outputs[0].token_ids) == 6
+    assert_pool_clean(llm.engine)
+
+
+def test_deepseek_int8_activations_program_equals_eager(tmp_path):
+    """--int8-activations all: the routed experts' stacks, the shared experts and MLA's
+    projections meet the int8 kernel in the program as in the eager path."""
+    from dsinfer.layers.kernels.cpu_build import load_cpu_ops
+
+    if load_cpu_ops() is not None or not torch.ops.dsinfer.int4_i8_supported():
+        pytest.skip("no AVX2 + FMA: the int8-activation kernel is not built here")
+    llm = _tiny_deepseek(tmp_path, "v3", "int4", "bfloat16", int8_activations="all")
+    assert llm.engine.executor.runner.model.model.layers[1].mlp.experts.method.int8 == ("13", "2")
+    _assert_program_equals_eager(llm, ((7,), (5, 9, 17)))
+
+
+def test_deepseek_step_counts_one_program_call(tmp_path):
+    """What the compile report counts: a DeepSeek decode step is a few operator calls from
+    Python (embedding, the program), its kernels visible to the profiler under it."""
+    from dsinfer.artifact.report import decode_ops
+    from dsinfer.models.loader import load_model
+
+    _tiny_deepseek(tmp_path, "v2-lite-shape", "none", "bfloat16")  # writes the checkpoint
+    eager = decode_ops(load_model(str(tmp_path), torch.bfloat16), "fused")
+    program = decode_ops(load_model(str(tmp_path), torch.bfloat16), "fused", program=True)
+    assert program.from_python <= 4 < eager.from_python, (program, eager)
+    assert 0 < program.per_layer, program

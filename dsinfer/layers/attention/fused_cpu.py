@@ -136,7 +136,21 @@ class FusedCpuPagedAttention(TorchPagedAttention):
 class FusedCpuMLAAttention(MLAPagedAttention):
     graph_safe_decode = False  # a CPU op (see FusedCpuPagedAttention)
 
-    def _reads_kv_b(self, kv_b: torch.Tensor) -> bool:
+    def program_unsupported(
+        self, kv_b: torch.Tensor, cache: torch.Tensor, dtype: torch.dtype
+    ) -> str | None:
+        """Why the MLA step program cannot run this layer's decode (it runs this class's
+        decode-only path: the rotary kernel, the direct projections and the latent attention),
+        or None."""
+        if not self.absorb_decode:
+            return "the naive MLA decode is on"
+        if cache.dtype not in _KERNEL_DTYPES or cache.dtype != dtype:
+            return "the latent cache's dtype is not the activations' (fp32 or bf16)"
+        if not self.reads_kv_b(kv_b):
+            return "the MLA projection kernels cannot read kv_b_proj's weight as it is"
+        return None
+
+    def reads_kv_b(self, kv_b: torch.Tensor) -> bool:
         """Whether the projection kernels take this weight as it is."""
         if not hasattr(self, "_lora_supported"):  # a property of the build: asked once
             self._lora_supported = bool(torch.ops.dsinfer.mla_projections_supported(self.lora))
@@ -147,7 +161,7 @@ class FusedCpuMLAAttention(MLAPagedAttention):
         # einsums and lets it go (resident: −178 MiB measured for DeepSeek-V2-Lite, ~2 GiB at
         # V3's shapes; ~0.3 ms a layer on steps with prefill rows). The same values as a kept
         # copy.
-        if not self._reads_kv_b(kv_b):
+        if not self.reads_kv_b(kv_b):
             return super()._split_kv_b(kv_b)
         w = kv_b.float().view(self.h, self.nope + self.v, self.lora)
         return w[:, : self.nope].contiguous(), w[:, self.nope :].contiguous()
@@ -196,7 +210,7 @@ class FusedCpuMLAAttention(MLAPagedAttention):
             return super()._absorbed(q_nope, q_pe, cache, kv_b, meta)
         # The projections read kv_b_proj's weight as it is (bf16: half the bytes of the
         # reference's fp32 copy, the same products): 2.4x the einsums at batch 1 for V2-Lite.
-        direct = self._reads_kv_b(kv_b)
+        direct = self.reads_kv_b(kv_b)
         if direct:
             q_lat = torch.ops.dsinfer.mla_absorb_query(q_nope.contiguous(), kv_b, self.v)
         else:

@@ -26,7 +26,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 # One translation unit: the step program calls the kernels of cpu_ops.cpp as plain functions.
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "step_program.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_ops.cpp", "step_program.cpp", "step_program_mla.cpp")
+)
 # -fopenmp: at::parallel_for is a header template that parallelises only in code compiled
 # with OpenMP; without it every kernel ran on one thread. Linked by soname, libgomp resolves
 # to the copy torch has already loaded (one thread pool, not two).
