@@ -110,6 +110,12 @@ class StepProgram:
         self.threads = chosen
         return chosen
 
+    def tuned(self, hidden: int, dtype: torch.dtype, num_blocks: int) -> StepProgram:
+        """This program with its threads per bucket measured (tune_threads) and logged."""
+        threads = self.tune_threads(hidden, dtype, num_blocks)
+        logger.info("step program: intra-op threads by decode rows %s (measured)", threads)
+        return self
+
     @staticmethod
     def takes(rows: int, meta: AttentionMetadata) -> bool:
         """Whether the program can run this step: every row a single-token decode."""
@@ -202,7 +208,7 @@ def capture_mla_step_program(
 ) -> StepProgram | str:
     """Bind DeepSeek's layers into an MlaDecodeProgram; or say why they cannot be.
 
-    `shape`: num_heads (this rank's), nope, rope, v_dim, lora, scale, eps."""
+    `shape`: num_heads (this rank's), nope, rope, v_dim, lora, scale — shared by every layer."""
     if table_cos.dtype != torch.float32:
         return "the rotary tables are not fp32"
     eps = final_norm.eps
@@ -210,16 +216,16 @@ def capture_mla_step_program(
     norms += [layer.q_a_norm for layer in layers if layer.q_a_norm is not None]
     if any(n.eps != eps for n in norms):
         return "the norms do not share one epsilon"
+    operands = []  # per layer: (part, operand, bias) in the order the program appends them
     for i, layer in enumerate(layers):
-        attn = [*layer.q, layer.kv_a, layer.o]
-        for lin in [*attn, *(layer.mlp or ())]:
-            op = lin.program_operand()
-            if isinstance(op, str):
-                return f"layer {i}: {op}"
-        if layer.moe is not None:
-            why = _moe_unbindable(layer.moe)
-            if why:
-                return f"layer {i}: {why}"
+        bound = _linear_operands("attn", (*layer.q, layer.kv_a, layer.o), [])
+        if not isinstance(bound, str):
+            bound = _linear_operands("mlp", layer.mlp or (), bound)
+        if layer.moe is not None and not isinstance(bound, str):
+            bound = _moe_operands(layer.moe, bound)
+        if isinstance(bound, str):
+            return f"layer {i}: {bound}"
+        operands.append(bound)
     program = torch.classes.dsinfer.MlaDecodeProgram(
         table_cos,
         table_sin,
@@ -232,7 +238,7 @@ def capture_mla_step_program(
         float(shape["scale"]),
         float(eps),
     )
-    for layer in layers:
+    for layer, bound in zip(layers, operands, strict=True):
         q_a_norm = layer.q_a_norm.weight.data if layer.q_a_norm is not None else None
         program.add_layer(
             layer.input_norm.weight.data,
@@ -242,37 +248,47 @@ def capture_mla_step_program(
             layer.cache,
             layer.kv_b,
         )
-        bound = [("attn", lin) for lin in (*layer.q, layer.kv_a, layer.o)]
-        bound += [("mlp", lin) for lin in layer.mlp or ()]
-        for part, lin in bound:
-            op = lin.program_operand()
-            assert isinstance(op, ProgramOperand)
-            bias = None if lin.bias is None else lin.bias.data
-            _add(program, part, op, bias)
         if layer.moe is not None:
-            _bind_moe(program, layer.moe)
+            _set_router(program, layer.moe)
+        for part, op, bias in bound:
+            program.add_linear(part, op.kind, op.a.data, _second(op), bias, op.dense_from_rows)
     return StepProgram(program)
 
 
-def _moe_unbindable(moe: DeepseekMoE) -> str | None:
-    """Why the program cannot run this MoE layer's experts, or None."""
+# A layer's projections as the MLA program takes them: (part, operand, bias).
+_Bound = list[tuple[str, ProgramOperand, "torch.Tensor | None"]]
+
+
+def _linear_operands(part: str, linears: tuple[Linear, ...], bound: _Bound) -> _Bound | str:
+    """`bound` extended by the layers' operands under `part`, or why one has none."""
+    for lin in linears:
+        op = lin.program_operand()
+        if isinstance(op, str):
+            return op
+        bound.append((part, op, None if lin.bias is None else lin.bias.data))
+    return bound
+
+
+def _moe_operands(moe: DeepseekMoE, bound: _Bound) -> _Bound | str:
+    """`bound` extended by every routed expert's w13, then every w2, then the shared
+    experts' gate|up and down; or why the program cannot run these experts."""
     experts = moe.experts
     if len(experts.owned) != experts.num_experts or experts.slices != 1:
         return "expert- or tensor-parallel experts reduce across ranks"
-    for e in range(len(experts.owned)):
-        for which in ("13", "2"):
-            if experts.method.program_operand(experts, which, e) is None:
+    for which in ("13", "2"):
+        for e in range(len(experts.owned)):
+            op = experts.method.program_operand(experts, which, e)
+            if op is None:
                 return f"no step-program kernel for {type(experts.method).__name__}"
+            bound.append((f"w{which}", op, None))
     shared = moe.shared_experts
-    if shared is not None:
-        for lin in (shared.gate_up_proj, shared.down_proj):
-            op = lin.program_operand()
-            if isinstance(op, str):
-                return f"shared experts: {op}"
-    return None
+    if shared is None:
+        return bound
+    with_shared = _linear_operands("shared", (shared.gate_up_proj, shared.down_proj), bound)
+    return f"shared experts: {with_shared}" if isinstance(with_shared, str) else with_shared
 
 
-def _bind_moe(program: torch.ScriptObject, moe: DeepseekMoE) -> None:
+def _set_router(program: torch.ScriptObject, moe: DeepseekMoE) -> None:
     cfg, gate = moe.cfg, moe.gate
     bias = gate.e_score_correction_bias
     program.set_router(
@@ -285,20 +301,3 @@ def _bind_moe(program: torch.ScriptObject, moe: DeepseekMoE) -> None:
         cfg.norm_topk_prob,
         float(cfg.routed_scaling_factor),
     )
-    experts = moe.experts
-    for which in ("13", "2"):
-        for e in range(len(experts.owned)):
-            op = experts.method.program_operand(experts, which, e)
-            assert op is not None
-            _add(program, f"w{which}", op, None)
-    if moe.shared_experts is not None:
-        for lin in (moe.shared_experts.gate_up_proj, moe.shared_experts.down_proj):
-            op = lin.program_operand()
-            assert isinstance(op, ProgramOperand)
-            _add(program, "shared", op, None)
-
-
-def _add(
-    program: torch.ScriptObject, part: str, op: ProgramOperand, bias: torch.Tensor | None
-) -> None:
-    program.add_linear(part, op.kind, op.a.data, _second(op), bias, op.dense_from_rows)

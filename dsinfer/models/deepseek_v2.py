@@ -8,7 +8,6 @@ the same way, so dot products are unchanged) and use the NeoX rotation shared wi
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
@@ -29,7 +28,6 @@ from dsinfer.models.hf_config import common_config, refuse_mlp_bias
 from dsinfer.models.llama import LlamaForCausalLM, LlamaMLP
 from dsinfer.models.stages import skip_other_stage, stage_embedding, stage_lm_head
 
-logger = logging.getLogger(__name__)
 Rope = StepRope
 _EXPERT = re.compile(
     r"^((?:model\.layers\.\d+|mtp)\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
@@ -236,9 +234,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         program = capture_mla_step_program(layers, self.model.norm, rotary.cos, rotary.sin, shape)
         if isinstance(program, str):
             return program
-        threads = program.tune_threads(self.config.hidden_size, dtype, kv_caches[0][0].shape[0])
-        logger.info("step program: intra-op threads by decode rows %s (measured)", threads)
-        self.step_program = program
+        blocks = kv_caches[0][0].shape[0]
+        self.step_program = program.tuned(self.config.hidden_size, dtype, blocks)
         return None
 
     @classmethod

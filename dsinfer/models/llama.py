@@ -7,7 +7,6 @@ rows belong to which sequence.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -26,7 +25,6 @@ from dsinfer.layers.step_program import ProgramLayer, StepProgram, capture_step_
 from dsinfer.models.hf_config import common_config, refuse_mlp_bias
 from dsinfer.models.stages import skip_other_stage, stage_embedding, stage_lm_head
 
-logger = logging.getLogger(__name__)
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = StepRope
 
@@ -176,10 +174,10 @@ class LlamaForCausalLM(nn.Module):
         program = capture_step_program(layers, self.model.norm, rotary.cos, rotary.sin, shape)
         if isinstance(program, str):
             return program
-        dtype = self.model.norm.weight.dtype
-        threads = program.tune_threads(self.config.hidden_size, dtype, kv_caches[0][0].shape[0])
-        logger.info("step program: intra-op threads by decode rows %s (measured)", threads)
-        self.step_program = program
+        blocks = kv_caches[0][0].shape[0]
+        self.step_program = program.tuned(
+            self.config.hidden_size, self.model.norm.weight.dtype, blocks
+        )
         return None
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
