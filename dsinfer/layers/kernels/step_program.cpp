@@ -102,6 +102,21 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
   return l.bias.has_value() ? y + *l.bias : y;
 }
 
+// Decoder layer i's input norm: norm(x) with x as the residual for the first layer, else
+// norm(x + residual) with the sum as the new residual (RMSNorm.forward's two cases).
+inline at::Tensor input_norm(size_t i, const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                             double eps) {
+  if (i == 0) {
+    DSINFER_RANGE("dsinfer::rms_norm");
+    residual = x;
+    return rms_norm(x, weight, eps);
+  }
+  DSINFER_RANGE("dsinfer::add_rms_norm");
+  at::Tensor h;
+  std::tie(h, residual) = add_rms_norm(x, residual, weight, eps);
+  return h;
+}
+
 struct ProgramLayer {
   at::Tensor input_norm, post_norm;  // [hidden]
   at::Tensor k_cache, v_cache;       // [blocks, KV, block_size, D]
@@ -144,14 +159,7 @@ struct DecodeProgram : torch::CustomClassHolder {
       DSINFER_RANGE("dsinfer::step_program_layer");
       const ProgramLayer& L = layers_[i];
       TORCH_CHECK(L.linears.size() == 4, "step program: layer ", i, " is incomplete");
-      if (i == 0) {
-        DSINFER_RANGE("dsinfer::rms_norm");
-        residual = x;
-        h = rms_norm(x, L.input_norm, eps_);
-      } else {
-        DSINFER_RANGE("dsinfer::add_rms_norm");
-        std::tie(h, residual) = add_rms_norm(x, residual, L.input_norm, eps_);
-      }
+      h = input_norm(i, x, residual, L.input_norm, eps_);
       const at::Tensor qkv = apply_linear(L.linears[0], h);  // [B, (H + 2KV) D]
       at::Tensor attn;
       {

@@ -11,7 +11,7 @@
 // layers/moe.py (route, RoutedExperts.forward, SharedExperts).
 //
 // Joined into one translation unit after cpu_ops.cpp and step_program.cpp (cpu_build.py):
-// ProgramLinear and apply_linear come from the latter.
+// ProgramLinear, apply_linear and input_norm come from the latter.
 
 namespace {
 
@@ -175,14 +175,7 @@ struct MlaDecodeProgram : torch::CustomClassHolder {
       DSINFER_RANGE("dsinfer::step_program_layer");
       const MlaProgramLayer& L = layers_[i];
       TORCH_CHECK(L.attn.size() == (L.q_a_norm.has_value() ? 4u : 3u), "step program: layer ", i, " is incomplete");
-      if (i == 0) {
-        DSINFER_RANGE("dsinfer::rms_norm");
-        residual = x;
-        h = rms_norm(x, L.input_norm, eps_);
-      } else {
-        DSINFER_RANGE("dsinfer::add_rms_norm");
-        std::tie(h, residual) = add_rms_norm(x, residual, L.input_norm, eps_);
-      }
+      h = input_norm(i, x, residual, L.input_norm, eps_);
       const at::Tensor o = attention(L, h, block_tables, seq_lens, slot_blocks, slot_offsets);
       {
         DSINFER_RANGE("dsinfer::add_rms_norm");
