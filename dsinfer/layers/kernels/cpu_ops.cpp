@@ -1640,11 +1640,14 @@ template <typename X, typename W>
 inline void absorb_row(const X* q, const W* w, int64_t nope, int64_t lora, float* out) {
 #if defined(__AVX2__) && defined(__FMA__)
   for (int64_t l = 0; l < lora; l += 8) _mm256_storeu_ps(out + l, _mm256_setzero_ps());
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights a cache line
   for (int64_t n = 0; n < nope; ++n) {
     const __m256 x = _mm256_set1_ps(f32(q[n]));
     const W* wr = w + n * lora;
-    for (int64_t l = 0; l < lora; l += 8)
+    for (int64_t l = 0; l < lora; l += 8) {
+      if (l % kLine == 0) _mm_prefetch((const char*)(wr + 2 * lora + l), _MM_HINT_T0);  // 2 rows ahead
       _mm256_storeu_ps(out + l, _mm256_fmadd_ps(x, load8(wr + l), _mm256_loadu_ps(out + l)));
+    }
   }
 #endif
 }
@@ -1678,12 +1681,16 @@ inline void expand_rows(const float* o, int64_t o_stride, const W* w, int64_t v,
     for (int r = 0; r < M; ++r)
       for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
     int64_t l = 0;
-    for (; l + 8 * A <= lora; l += 8 * A)
+    for (; l + 8 * A <= lora; l += 8 * A) {
+      // The next weight row, a line at a time (M = 1 reads v rows of lora weights in turn).
+      if (l % (64 / static_cast<int64_t>(sizeof(W))) == 0)
+        _mm_prefetch((const char*)(w + (j + 1) * lora + l), _MM_HINT_T0);
       for (int a = 0; a < A; ++a) {
         const __m256 wv = load8(w + j * lora + l + 8 * a);
         for (int r = 0; r < M; ++r)
           acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(o + r * o_stride + l + 8 * a), wv, acc[r][a]);
       }
+    }
     for (; l < lora; l += 8) {
       const __m256 wv = load8(w + j * lora + l);
       for (int r = 0; r < M; ++r) acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(o + r * o_stride + l), wv, acc[r][0]);
