@@ -147,11 +147,10 @@ def capture_step_program(
     """Bind the layers into a DecodeProgram; or say why they cannot be (the step stays eager).
 
     `shape`: num_heads, num_kv_heads (this rank's), scale, eps — shared by every layer."""
-    if table_cos.dtype != torch.float32:
-        return "the rotary tables are not fp32"
+    norms = [n for layer in layers for n in (layer.input_norm, layer.post_norm)]
+    if why := _unshared(table_cos, final_norm, norms):
+        return why
     eps = final_norm.eps
-    if any(n.eps != eps for layer in layers for n in (layer.input_norm, layer.post_norm)):
-        return "the norms do not share one epsilon"
     program = torch.classes.dsinfer.DecodeProgram(
         table_cos,
         table_sin,
@@ -177,6 +176,15 @@ def capture_step_program(
             bias = None if lin.bias is None else lin.bias.data
             program.add_linear(op.kind, op.a.data, _second(op), bias, op.dense_from_rows)
     return StepProgram(program)
+
+
+def _unshared(table_cos: torch.Tensor, final_norm: RMSNorm, norms: list[RMSNorm]) -> str | None:
+    """What a program's one set of rotary tables and one epsilon cannot stand for, or None."""
+    if table_cos.dtype != torch.float32:
+        return "the rotary tables are not fp32"
+    if any(n.eps != final_norm.eps for n in norms):
+        return "the norms do not share one epsilon"
+    return None
 
 
 def _second(op: ProgramOperand) -> torch.Tensor:
@@ -214,13 +222,11 @@ def capture_mla_step_program(
     """Bind DeepSeek's layers into an MlaDecodeProgram; or say why they cannot be.
 
     `shape`: num_heads (this rank's), nope, rope, v_dim, lora, scale — shared by every layer."""
-    if table_cos.dtype != torch.float32:
-        return "the rotary tables are not fp32"
-    eps = final_norm.eps
     norms = [n for layer in layers for n in (layer.input_norm, layer.post_norm, layer.kv_a_norm)]
     norms += [layer.q_a_norm for layer in layers if layer.q_a_norm is not None]
-    if any(n.eps != eps for n in norms):
-        return "the norms do not share one epsilon"
+    if why := _unshared(table_cos, final_norm, norms):
+        return why
+    eps = final_norm.eps
     operands = []  # per layer: (part, operand, bias) in the order the program appends them
     for i, layer in enumerate(layers):
         bound = _linear_operands("attn", (*layer.q, layer.kv_a, layer.o), [])

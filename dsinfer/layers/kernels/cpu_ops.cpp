@@ -1682,9 +1682,11 @@ inline void expand_rows(const float* o, int64_t o_stride, const W* w, int64_t v,
       for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
     int64_t l = 0;
     for (; l + 8 * A <= lora; l += 8 * A) {
-      // The next weight row, a line at a time (M = 1 reads v rows of lora weights in turn).
-      if (l % (64 / static_cast<int64_t>(sizeof(W))) == 0)
-        _mm_prefetch((const char*)(w + (j + 1) * lora + l), _MM_HINT_T0);
+      // The next weight row, each line this step covers (M = 1 reads v rows of lora weights
+      // in turn; a step is 8A weights: a line or two at one row, part of one at more).
+      constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(W));
+      for (int64_t p = l; p < l + 8 * A; p += kLine)
+        if (p % kLine == 0) _mm_prefetch((const char*)(w + (j + 1) * lora + p), _MM_HINT_T0);
       for (int a = 0; a < A; ++a) {
         const __m256 wv = load8(w + j * lora + l + 8 * a);
         for (int r = 0; r < M; ++r)
@@ -2037,13 +2039,14 @@ at::Tensor int8_i16_linear(const at::Tensor& x, const at::Tensor& w, const at::T
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto run = [&](auto* op) {
     using T = std::remove_pointer_t<decltype(op)>;
+    // fp32_out with bf16 activations: the bf16 value widened (int8_vnni_linear's rule).
+    const auto put = [&](int64_t i, float y) {
+      if constexpr (std::is_same_v<T, float>) op[i] = fp32_out && bf16 ? f32(from_f32<c10::BFloat16>(y)) : y;
+      else op[i] = from_f32<T>(y);
+    };
     if (M == 1) {  // one decode row: the weight streamed row by row (i16_dot_row1)
       at::parallel_for(0, O, 64, [&](int64_t o0, int64_t o1) {
-        for (int64_t o = o0; o < o1; ++o) {
-          const float y = i16_dot_row1(xq.q.get(), wp + o * K, K) * xq.d[0] * sp[o];
-          if constexpr (std::is_same_v<T, float>) op[o] = fp32_out && bf16 ? f32(from_f32<c10::BFloat16>(y)) : y;
-          else op[o] = from_f32<T>(y);
-        }
+        for (int64_t o = o0; o < o1; ++o) put(o, i16_dot_row1(xq.q.get(), wp + o * K, K) * xq.d[0] * sp[o]);
       });
       return;
     }
@@ -2067,9 +2070,7 @@ at::Tensor int8_i16_linear(const at::Tensor& x, const at::Tensor& w, const at::T
             i16_dot_rows<Mr>(xq.q.get() + m0 * K, wp + o * K, wp + (o + R - 1) * K, K, dots);
             for (int r = 0; r < R; ++r)
               for (int m = 0; m < Mr; ++m) {
-                const float y = dots[r * Mr + m] * xq.d[m0 + m] * sp[o + r];
-                if constexpr (std::is_same_v<T, float>) op[(m0 + m) * O + o + r] = fp32_out && bf16 ? f32(from_f32<c10::BFloat16>(y)) : y;
-                else op[(m0 + m) * O + o + r] = from_f32<T>(y);
+                put((m0 + m) * O + o + r, dots[r * Mr + m] * xq.d[m0 + m] * sp[o + r]);
               }
           });
         }

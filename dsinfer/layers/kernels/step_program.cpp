@@ -117,6 +117,13 @@ inline at::Tensor input_norm(size_t i, const at::Tensor& x, at::Tensor& residual
   return h;
 }
 
+// silu(gate) · up over [rows, 2I]: the fused kernel, as the eager path takes it (layers/kernels:
+// FUSED_CPU.silu_and_mul on contiguous fp32/bf16 rows).
+inline at::Tensor gated(const at::Tensor& gate_up) {
+  DSINFER_RANGE("dsinfer::silu_mul");
+  return silu_mul(gate_up);
+}
+
 struct ProgramLayer {
   at::Tensor input_norm, post_norm;  // [hidden]
   at::Tensor k_cache, v_cache;       // [blocks, KV, block_size, D]
@@ -173,12 +180,7 @@ struct DecodeProgram : torch::CustomClassHolder {
         std::tie(h, residual) = add_rms_norm(o, residual, L.post_norm, eps_);
       }
       const at::Tensor gate_up = apply_linear(L.linears[2], h);  // [B, 2I]
-      at::Tensor act;
-      {
-        DSINFER_RANGE("dsinfer::silu_mul");
-        act = silu_mul(gate_up);  // [B, I]
-      }
-      x = apply_linear(L.linears[3], act);  // [B, hidden]
+      x = apply_linear(L.linears[3], gated(gate_up));          // [B, I] → [B, hidden]
     }
     DSINFER_RANGE("dsinfer::add_rms_norm");
     return std::get<0>(add_rms_norm(x, residual, final_norm_, eps_));

@@ -11,7 +11,7 @@
 // layers/moe.py (route, RoutedExperts.forward, SharedExperts).
 //
 // Joined into one translation unit after cpu_ops.cpp and step_program.cpp (cpu_build.py):
-// ProgramLinear, apply_linear and input_norm come from the latter.
+// ProgramLinear, apply_linear, input_norm and gated come from the latter.
 
 namespace {
 
@@ -44,13 +44,6 @@ struct ProgramRouter {
     return {weights * scaling, ids};
   }
 };
-
-// silu(gate) · up over [rows, 2I]: the fused kernel where the eager path takes it
-// (layers/kernels: FUSED_CPU.silu_and_mul on contiguous fp32/bf16 rows).
-at::Tensor gated(const at::Tensor& gate_up) {
-  DSINFER_RANGE("dsinfer::silu_mul");
-  return silu_mul(gate_up);
-}
 
 struct ProgramMoE {
   ProgramRouter router;
