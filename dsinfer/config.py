@@ -199,6 +199,8 @@ class EngineConfig:
     backend: str = "auto"
     # The fused backend runs decode-only steps as one captured program (layers/step_program.py).
     step_program: bool = True
+    # CPU: the weights and the KV pool in transparent huge pages (device/host_memory.py).
+    huge_pages: bool = True
     # Which int4 layers meet activations rounded to int8 per group of 32 (llama.cpp's
     # arithmetic, faster on AVX2 CPUs): none | out_proj (the blocks' output projections) |
     # all. They cost perplexity (docs/backends.md): never the default.

@@ -64,6 +64,13 @@ class EngineArgs:
                       "(--no-step-program: layer by layer from Python)",
                       negate="--no-step-program"),
     )  # fmt: skip
+    huge_pages: bool = field(
+        default=True,
+        metadata=_opt("CPU: the weights and the KV pool in transparent huge pages where the "
+                      "OS offers them: decode streams the weights faster (--no-huge-pages: "
+                      "ordinary 4 KiB pages)",
+                      negate="--no-huge-pages"),
+    )  # fmt: skip
     int8_activations: str = field(
         default="none",
         metadata=_opt("fused CPU backend: int4 layers whose activations are rounded to int8 per "
@@ -168,6 +175,7 @@ class EngineArgs:
             device=self.device,
             backend=self.backend,
             step_program=self.step_program,
+            huge_pages=self.huge_pages,
             int8_activations=self.int8_activations,
             quantization=self.quantization,
             seed=self.seed,

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 
 from dsinfer.config import CacheConfig, ModelConfig
+from dsinfer.device.host_memory import HugePageArena
 from dsinfer.distributed.parallel_state import parallel_state
 
 logger = logging.getLogger(__name__)
@@ -33,12 +35,15 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     reserved_blocks: int = 0,
+    huge_pages: bool = False,
 ) -> tuple[list[tuple[torch.Tensor, ...]], int]:
     """Allocate (and touch, so a too-large pool fails now, not mid-request) the whole pool.
 
     Returns the caches and the number of blocks the scheduler may hand out; `reserved_blocks`
     more follow them, never handed out (the step graphs' padding rows write there).
-    Under tensor parallel each rank caches its own KV heads only (the budget is per rank)."""
+    Under tensor parallel each rank caches its own KV heads only (the budget is per rank).
+    huge_pages (CPU): the pool is one arena in transparent huge pages (device/host_memory.py):
+    decode attention reads pages of blocks scattered over it."""
     state = parallel_state()
     tp = state.tp_size
     full = model
@@ -52,29 +57,30 @@ def allocate_kv_cache(
     n = num_blocks_for_budget(model, cache, dtype)
     rows = n + reserved_blocks
     none = torch.empty(0, dtype=dtype, device=device)  # another stage's layer
-    if mla is not None:
-        # MLA layout: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one per layer;
-        # every TP rank keeps the whole latent (each of its heads reads all of it).
-        width = mla.latent_width
-
-        def layer_cache() -> tuple[torch.Tensor, ...]:
-            return (torch.zeros((rows, cache.block_size, width), dtype=dtype, device=device),)
-
-    else:
-        shape = (rows, model.num_kv_heads, cache.block_size, model.head_dim)
-
-        def layer_cache() -> tuple[torch.Tensor, ...]:
-            return (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-
+    # MLA layout: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one per layer;
+    # every TP rank keeps the whole latent (each of its heads reads all of it). MHA: K and V
+    # blocks [num_blocks, KV, block_size, D].
+    shapes = (
+        [(rows, cache.block_size, mla.latent_width)]
+        if mla is not None
+        else [(rows, model.num_kv_heads, cache.block_size, model.head_dim)] * 2
+    )
     # Layers past num_layers (the MTP layer) live on the first stage, beside the head.
     extra = state.is_first_stage
-    caches = [
-        layer_cache() if i in owned or (i >= full.num_layers and extra) else (none,) * 2
-        for i in range(full.num_cache_layers)
-    ]
+    cached = [i in owned or (i >= full.num_layers and extra) for i in range(full.num_cache_layers)]
+    elem = none.element_size()
+    arena = None
+    if huge_pages and device.type == "cpu":
+        arena = HugePageArena(
+            HugePageArena.size_for(math.prod(s) * elem for c in cached if c for s in shapes)
+        )
+
+    def new(shape: tuple[int, ...]) -> torch.Tensor:
+        if arena is None:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return arena.empty(shape, dtype).zero_()  # zero already: written to be touched now
+
+    caches = [tuple(new(s) for s in shapes) if c else (none,) * 2 for c in cached]
     logger.info(
         "KV pool: %d blocks × %d tokens = %d tokens, %.1f MiB",
         n,

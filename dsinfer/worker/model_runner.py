@@ -12,6 +12,7 @@ import torch
 
 from dsinfer.config import CacheConfig, EngineConfig
 from dsinfer.device.graphs import graphs_unavailable
+from dsinfer.device.host_memory import gather, huge_pages_mode
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.backend import apply_backend
 from dsinfer.models.loader import LoadedModel, release_freed_memory
@@ -43,19 +44,26 @@ class ModelRunner:
         max_num_seqs: int = 64,
         decode_graphs: bool | None = None,
         ngram_speculation: int = 0,
+        huge_pages: bool = True,
     ) -> None:
         """step_program: capture the decode step (fused backend): one C++ program on the CPU,
         graphs per batch bucket on an accelerator. decode_graphs: None decides by the device
         (graphs where it records them); True records with any backend, on the CPU with eager
-        graphs (how their padding is tested here); False never."""
+        graphs (how their padding is tested here); False never. huge_pages: on the CPU, the
+        weights and the KV pool live in transparent huge pages (device/host_memory.py)."""
         # The driver (rank 0) samples and keeps results; the other ranks run the same calls in
         # the same order (their parts of the collectives) and keep nothing.
         self.driver = driver
         self.model = loaded.model
         self.backend = apply_backend(self.model, backend, device, int8_activations).name
-        # The backend's post-load preparation (the VNNI repacking) freed the weights' loaded
-        # layouts: return those pages before the KV pool is allocated (−32 MiB resident for
-        # SmolLM2 once serving, measured; the pool would otherwise reuse only part of them).
+        huge_pages = huge_pages and device.type == "cpu"
+        if huge_pages:
+            # After the backend's repacking (the layouts its kernels read), before anything
+            # binds the weights' addresses (the step program, graphs).
+            self._gather_weights()
+        # The backend's post-load preparation (the VNNI repacking) and the gathering freed the
+        # weights' earlier copies: return those pages before the KV pool is allocated (−32 MiB
+        # resident for SmolLM2 once serving, measured; the pool would reuse only part of them).
         release_freed_memory()
         self.config = loaded.config
         self.dtype = loaded.dtype
@@ -63,7 +71,12 @@ class ModelRunner:
         self.block_size = cache.block_size
         graphs = self._graphs_wanted(step_program, decode_graphs)
         self.kv_caches, self.num_blocks = allocate_kv_cache(
-            loaded.config, cache, loaded.dtype, device, reserved_blocks=1 if graphs else 0
+            loaded.config,
+            cache,
+            loaded.dtype,
+            device,
+            reserved_blocks=1 if graphs else 0,
+            huge_pages=huge_pages,
         )
         self.graphs: DecodeGraphs | None = None
         if graphs:
@@ -99,7 +112,19 @@ class ModelRunner:
             int8_activations=config.int8_activations,
             max_num_seqs=config.scheduler.max_num_seqs,
             ngram_speculation=config.ngram_speculation,
+            huge_pages=config.huge_pages,
         )
+
+    def _gather_weights(self) -> None:
+        """Every parameter and buffer, in the order the model registers (and runs) them, copied
+        into one huge-page arena: a decode step streams them as one run of memory."""
+        arena = gather([*self.model.parameters(), *self.model.buffers()])
+        if arena is not None:
+            logger.info(
+                "weights: %.1f MiB in one arena (transparent huge pages: %s)",
+                arena.nbytes / 2**20,
+                huge_pages_mode() if arena.advised else "not advised",
+            )
 
     @property
     def step_program(self) -> bool:

@@ -1,0 +1,152 @@
+"""Host memory in transparent huge pages (device/host_memory.py): the gathered weights keep
+their values and sharing bit for bit, cost one storage more than the model while gathering,
+and land in huge pages where the kernel offers them; the KV pool's arena; an engine with and
+without huge pages decodes the same tokens."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsinfer.config import CacheConfig, ModelConfig
+from dsinfer.device.host_memory import HUGE_PAGE, HugePageArena, gather, huge_pages_mode
+from dsinfer.worker.kv_cache import allocate_kv_cache
+
+
+def _status_kib(key: str) -> int:
+    return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
+def test_gather_keeps_values_views_and_sharing() -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(300, 70, generator=g)
+    view = a[10:20, 5:]  # a strided view into a's storage
+    codes = torch.randint(0, 255, (4099,), dtype=torch.uint8, generator=g)
+    with torch.inference_mode():  # a model built in inference mode holds inference tensors
+        w = torch.nn.Parameter(torch.randn(33, 17, generator=g).bfloat16(), requires_grad=False)
+    empty = torch.empty(0, 576)
+    meta = torch.empty(8, 8, device="meta")
+    tensors = [a, view, codes, w, empty, meta]
+    before = [(t.clone(), t.dtype, t.shape, t.stride(), t.storage_offset()) for t in tensors[:4]]
+    old_ptrs = [t.data_ptr() for t in tensors[:4]]
+    arena = gather(tensors)
+    assert arena is not None
+    for t, (value, dtype, shape, stride, offset), old in zip(
+        tensors, before, old_ptrs, strict=False
+    ):
+        assert torch.equal(t, value) and t.dtype == dtype and t.shape == shape
+        assert t.stride() == stride and t.storage_offset() == offset
+        assert t.data_ptr() != old  # moved
+        assert t.untyped_storage().data_ptr() % 64 == 0
+    # The view still shares its base's storage (a write through one shows in the other).
+    assert view.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    a[12, 6] = 123.0
+    assert view[2, 1] == 123.0
+    # Each gathered tensor has a storage of its own size, one after another in run order.
+    assert codes.untyped_storage().nbytes() == 4099
+    assert a.data_ptr() < codes.data_ptr() < w.data_ptr()
+    assert isinstance(w, torch.nn.Parameter) and w.is_inference()
+    assert empty.shape == (0, 576) and meta.device.type == "meta"
+    assert gather([empty, meta]) is None
+
+
+def test_gather_costs_one_storage_more_than_the_tensors_not_twice() -> None:
+    """Each old storage is freed as soon as its copy is made: gathering 8 × 32 MiB raises the
+    peak resident set by about one of them, not by 256 MiB."""
+    mib = 2**20
+    tensors = [torch.ones(8 * mib) for _ in range(8)]  # 8 × 32 MiB, written
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current VmRSS
+    start = _status_kib("VmHWM")
+    gather(tensors)
+    grew = (_status_kib("VmHWM") - start) * 1024
+    assert grew < 2 * 32 * mib + HUGE_PAGE, grew / mib
+    assert all(t.sum() == 8 * mib for t in tensors)
+
+
+def _huge_kib_of(ptr: int) -> int:
+    """AnonHugePages of the mapping holding address `ptr` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if m := re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line):
+            inside = int(m.group(1), 16) <= ptr < int(m.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(
+    huge_pages_mode() not in ("always", "madvise"),
+    reason=f"transparent huge pages are {huge_pages_mode()!r} on this machine",
+)
+def test_gathered_weights_and_kv_pool_sit_in_huge_pages() -> None:
+    w = torch.randn(4 * HUGE_PAGE // 4)  # 8 MiB of fp32
+    gather([w])
+    assert _huge_kib_of(w.data_ptr()) >= HUGE_PAGE // 1024
+    arena = HugePageArena(6 * HUGE_PAGE)
+    assert arena.advised
+    t = arena.empty((3, HUGE_PAGE // 2), torch.bfloat16).zero_()  # 6 MiB, touched
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert _huge_kib_of(t.data_ptr()) >= 2 * HUGE_PAGE // 1024
+
+
+def test_arena_refuses_what_does_not_fit() -> None:
+    arena = HugePageArena(1000)
+    arena.storage(900)
+    with pytest.raises(ValueError, match="do not fit"):
+        arena.storage(200)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_kv_pool_in_an_arena_is_zeroed_and_shaped_as_before(mla: bool) -> None:
+    mla_extra = {"kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16}
+    mla_extra |= {"v_head_dim": 16, "q_lora_rank": None}
+    cfg = ModelConfig(
+        architecture="x",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        extra=mla_extra if mla else {},
+    )
+    cache = CacheConfig(block_size=16, num_blocks=10)
+    want, n = allocate_kv_cache(cfg, cache, torch.bfloat16, torch.device("cpu"))
+    got, m = allocate_kv_cache(cfg, cache, torch.bfloat16, torch.device("cpu"), huge_pages=True)
+    assert n == m
+    assert [[t.shape for t in layer] for layer in got] == [
+        [t.shape for t in layer] for layer in want
+    ]
+    flat = [t for layer in got for t in layer]
+    assert all(t.is_contiguous() and not t.any() for t in flat)
+    # One arena: each layer's tensors follow the previous ones.
+    assert all(a.data_ptr() < b.data_ptr() for a, b in zip(flat, flat[1:], strict=False))
+
+
+def test_an_engine_decodes_the_same_tokens_with_and_without_huge_pages() -> None:
+    """SmolLM2 on the default fast path (int4, bf16, the captured step program): the gathered
+    weights are the same bytes, so greedy decoding gives the same tokens and logprobs."""
+    from dsinfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    prompts = ["The capital of France is", "Write a haiku about the sea."]
+    outs = []
+    for huge in (False, True):
+        llm = LLM("smollm2", kv_cache_memory="32MiB", huge_pages=huge)
+        runner = llm.engine.executor.runner
+        assert runner.model.step_program is not None
+        # Gathered: the parameters follow each other in registration (run) order.
+        ptrs = [p.data_ptr() for p in runner.model.parameters() if p.numel()]
+        assert (ptrs == sorted(ptrs)) is huge
+        outs.append(llm.generate(prompts, params))
+        del llm
+    for off, on in zip(*outs, strict=True):
+        assert off.outputs[0].token_ids == on.outputs[0].token_ids
+        assert [lp.logprob for lp in off.outputs[0].logprobs] == [
+            lp.logprob for lp in on.outputs[0].logprobs
+        ]
