@@ -18,6 +18,7 @@ dtype, shape, strides, storage offset and the storages it shares with others (a 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 from collections.abc import Iterable
@@ -30,6 +31,20 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
 _ALIGN = 64  # every storage starts on a cache line (the kernels' vector loads)
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# gather returns the heap's free pages every this many bytes of freed storages: glibc keeps
+# the pages of freed small blocks (a projection under its mmap threshold) until trimmed, and
+# gathering would otherwise hold a second copy of every such weight until its end.
+_TRIM_EVERY = 64 << 20
+
+
+def release_freed_memory() -> None:
+    """Return the heap's free pages to the OS (glibc malloc_trim): without it, the float
+    copies a load-time quantisation frees, and the storages gathered into an arena, stay in
+    the process's resident set."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def huge_pages_mode() -> str:
@@ -92,8 +107,8 @@ def gather(tensors: Iterable[torch.Tensor]) -> HugePageArena | None:
     and point every tensor at its storage's copy, in place: the same Python objects (parameters,
     buffers, and whatever captured them later), the same values bit for bit. Tensors sharing a
     storage keep sharing it. None when there is nothing to gather. Call it before anything
-    binds the tensors' addresses (a captured step program), then return the freed pages (the
-    loader's release_freed_memory)."""
+    binds the tensors' addresses (a captured step program). Freed pages go back to the OS as
+    it goes (release_freed_memory every 64 MiB, and at the end)."""
     groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for t in tensors:
         st = t.untyped_storage()
@@ -105,6 +120,7 @@ def gather(tensors: Iterable[torch.Tensor]) -> HugePageArena | None:
     arena = HugePageArena(HugePageArena.size_for(st.nbytes() for st, _ in groups.values()))
     # Inference mode: a model built under it holds inference tensors, which only take in-place
     # updates there (normal tensors take them too).
+    freed = 0
     with torch.inference_mode():
         for key in list(groups):
             old, users = groups.pop(key)
@@ -114,5 +130,10 @@ def gather(tensors: Iterable[torch.Tensor]) -> HugePageArena | None:
                 t.set_(new, t.storage_offset(), t.size(), t.stride())
             # The last references to the old storage: it is freed now, not after the loop, so
             # that gathering a model costs one storage more than the model, not twice it.
+            freed += new.nbytes()
             del old, users, t
+            if freed >= _TRIM_EVERY:
+                release_freed_memory()
+                freed = 0
+    release_freed_memory()
     return arena

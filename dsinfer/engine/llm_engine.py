@@ -13,6 +13,7 @@ from dsinfer.artifact.source import load_model_source
 from dsinfer.artifact.verify import TrustPolicy
 from dsinfer.config import EngineConfig
 from dsinfer.device import resolve_device
+from dsinfer.device.host_memory import release_freed_memory
 from dsinfer.engine.block_pool import BlockPool
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.fault_isolation import RequestFailure, execute_isolating
@@ -27,12 +28,7 @@ from dsinfer.engine.utilization import (
     peak_flops,
     step_model,
 )
-from dsinfer.models.loader import (
-    EMBEDDED_MODELS,
-    LoadedModel,
-    release_freed_memory,
-    resolve_model_path,
-)
+from dsinfer.models.loader import EMBEDDED_MODELS, LoadedModel, resolve_model_path
 from dsinfer.sampling import SamplingParams, check_token_ids
 from dsinfer.structured import compiler_for
 from dsinfer.tokenizer import Tokenizer, load_tokenizer

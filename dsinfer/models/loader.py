@@ -7,7 +7,6 @@ plus one tensor, never two copies of the model.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import logging
@@ -22,6 +21,7 @@ from torch import nn
 
 from dsinfer.config import QUANTISED_SCHEMES, ModelConfig, parse_dtype
 from dsinfer.device import native_bf16_matmul
+from dsinfer.device.host_memory import release_freed_memory
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import default_weight_loader, fused_target
 from dsinfer.layers.quant import has_method, plan_formats, prepare_quantized, quantize_model
@@ -240,15 +240,6 @@ def fill_random_weights(model: nn.Module, seed: int) -> None:
 
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-
-
-def release_freed_memory() -> None:
-    """Return the heap's free pages to the OS (glibc malloc_trim): without it, the float
-    copies a load-time quantisation frees stay in the process's resident set."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def resolve_quantization(requested: str, dtype: str | torch.dtype, native: str) -> str:

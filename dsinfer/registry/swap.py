@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dsinfer.models.loader import release_freed_memory
+from dsinfer.device.host_memory import release_freed_memory
 from dsinfer.registry.store import ModelRegistry, RegistryError, Servable, Version
 from dsinfer.sampling import SamplingParams
 

@@ -12,10 +12,10 @@ import torch
 
 from dsinfer.config import CacheConfig, EngineConfig
 from dsinfer.device.graphs import graphs_unavailable
-from dsinfer.device.host_memory import gather, huge_pages_mode
+from dsinfer.device.host_memory import gather, huge_pages_mode, release_freed_memory
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.backend import apply_backend
-from dsinfer.models.loader import LoadedModel, release_freed_memory
+from dsinfer.models.loader import LoadedModel
 from dsinfer.structured import GrammarCompiler
 from dsinfer.worker.decode_graphs import DecodeGraphs, graph_unsafe
 from dsinfer.worker.grammar_mask import BitmaskFiller, GrammarState, apply_bitmask, keep_mask
