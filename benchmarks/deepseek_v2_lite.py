@@ -5,7 +5,7 @@ Float weights (31 GB in bf16) do not fit a 24 GiB machine, so the linear layers 
 experts take the int8 layout (`--random-quant int8`; the float tensors are never touched, so
 never resident); activations, norms, embeddings, the router and kv_b_proj stay bf16/fp32.
 
-    python benchmarks/deepseek_v2_lite.py [--quant int8] [--new-tokens 32]
+    python benchmarks/deepseek_v2_lite.py [--quant int8] [--new-tokens 32] [--no-huge-pages]
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--int8-activations", default="none", choices=["none", "out_proj", "all"])
+    p.add_argument(
+        "--no-huge-pages", action="store_true", help="weights and KV pool in 4 KiB pages (A/B)"
+    )
     args = p.parse_args()
     t0 = time.perf_counter()
     llm = LLM(
@@ -60,6 +63,7 @@ def main() -> int:
         kv_cache_memory="1GiB",
         max_model_len=4096,
         int8_activations=args.int8_activations,
+        huge_pages=not args.no_huge_pages,
     )
     load = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
