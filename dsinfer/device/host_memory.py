@@ -102,36 +102,63 @@ class HugePageArena:
         return sum(-(-n // _ALIGN) * _ALIGN for n in nbytes) + _ALIGN
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes of its storage that `t` reaches (strides are never negative)."""
+    es = t.element_size()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return t.storage_offset() * es, (t.storage_offset() + last + 1) * es
+
+
+def _spans(users: list[torch.Tensor]) -> list[tuple[int, int, list[torch.Tensor]]]:
+    """The tensors of one storage in runs of overlapping byte spans: [(start, end, tensors)],
+    start aligned down to 64 bytes (so each tensor keeps its alignment modulo 64 when moved)."""
+    runs: list[tuple[int, int, list[torch.Tensor]]] = []
+    for t in sorted(users, key=lambda t: _byte_span(t)[0]):
+        lo, hi = _byte_span(t)
+        if runs and lo < runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], hi), [*runs[-1][2], t])
+        else:
+            runs.append((lo - lo % _ALIGN, hi, [t]))
+    return runs
+
+
 def gather(tensors: Iterable[torch.Tensor]) -> HugePageArena | None:
-    """Copy the CPU storages under `tensors` (each once, in the order first met) into one arena
-    and point every tensor at its storage's copy, in place: the same Python objects (parameters,
-    buffers, and whatever captured them later), the same values bit for bit. Tensors sharing a
-    storage keep sharing it. None when there is nothing to gather. Call it before anything
-    binds the tensors' addresses (a captured step program). Freed pages go back to the OS as
-    it goes (release_freed_memory every 64 MiB, and at the end)."""
+    """Copy the bytes the CPU tensors in `tensors` use (once each, in the order first met) into
+    one arena and point every tensor at its copy, in place: the same Python objects
+    (parameters, buffers, and whatever captured them later), the same values bit for bit.
+    Tensors that overlap in a storage (a view, a tied head) share one copy; tensors that merely
+    live in one large storage (a compiled artifact's file mapping holds every weight of a shard,
+    some already replaced by their repacked layouts) are copied apart, without the bytes between
+    them. None when there is nothing to gather. Call it before anything binds the tensors'
+    addresses (a captured step program). Freed pages go back to the OS as it goes
+    (release_freed_memory every 64 MiB, and at the end)."""
     groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
     for t in tensors:
         st = t.untyped_storage()
-        if t.device.type != "cpu" or st.nbytes() == 0:
+        if t.device.type != "cpu" or st.nbytes() == 0 or t.numel() == 0:
             continue
         groups.setdefault(st.data_ptr(), (st, []))[1].append(t)
     if not groups:
         return None
-    arena = HugePageArena(HugePageArena.size_for(st.nbytes() for st, _ in groups.values()))
+    sizes = [hi - lo for _, users in groups.values() for lo, hi, _ in _spans(users)]
+    arena = HugePageArena(HugePageArena.size_for(sizes))
     # Inference mode: a model built under it holds inference tensors, which only take in-place
     # updates there (normal tensors take them too).
     freed = 0
     with torch.inference_mode():
         for key in list(groups):
             old, users = groups.pop(key)
-            new = arena.storage(old.nbytes())
-            new.copy_(old)
-            for t in users:
-                t.set_(new, t.storage_offset(), t.size(), t.stride())
+            src = torch.empty(0, dtype=torch.uint8).set_(old)  # the storage's bytes
+            for lo, hi, run in _spans(users):
+                new = arena.storage(hi - lo)
+                torch.empty(0, dtype=torch.uint8).set_(new).copy_(src[lo:hi])
+                for t in run:
+                    offset = (t.storage_offset() * t.element_size() - lo) // t.element_size()
+                    t.set_(new, offset, t.size(), t.stride())
+                freed += hi - lo
             # The last references to the old storage: it is freed now, not after the loop, so
             # that gathering a model costs one storage more than the model, not twice it.
-            freed += new.nbytes()
-            del old, users, t
+            del old, users, src
             if freed >= _TRIM_EVERY:
                 release_freed_memory()
                 freed = 0

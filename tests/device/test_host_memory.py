@@ -156,3 +156,22 @@ def test_an_engine_decodes_the_same_tokens_with_and_without_huge_pages() -> None
         assert [lp.logprob for lp in off.outputs[0].logprobs] == [
             lp.logprob for lp in on.outputs[0].logprobs
         ]
+
+
+def test_gather_copies_only_the_bytes_the_tensors_use() -> None:
+    """Two small tensors at both ends of one large storage (a compiled artifact's file mapping
+    holds a shard's every weight, some replaced by repacked copies since): two small copies,
+    not the storage; a third tensor overlapping the first joins its copy."""
+    big = torch.arange(4 << 20, dtype=torch.uint8)  # 4 MiB
+    first, last = big[:1000].view(torch.int8), big[-1024:].view(torch.int32)
+    inner = big[512:2048]  # overlaps `first`
+    want = [first.clone(), last.clone(), inner.clone()]
+    arena = gather([first, last, inner])
+    assert arena is not None and arena.nbytes < 8192
+    assert [torch.equal(a, b) for a, b in zip((first, last, inner), want, strict=True)] == [
+        True
+    ] * 3
+    assert first.untyped_storage().data_ptr() == inner.untyped_storage().data_ptr()
+    assert last.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    assert last.untyped_storage().nbytes() == 1024
+    assert last.data_ptr() % 64 == 0 and inner.data_ptr() - first.data_ptr() == 512
