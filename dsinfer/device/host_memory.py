@@ -3,12 +3,13 @@
 Why: a decode step at one row streams every weight once (SmolLM2: 94 MiB a token, DeepSeek-V2-
 Lite ~1.4 GB). In 4 KiB pages that is one TLB miss every 4 KiB, and the CPU's stream prefetcher
 starts over at every page boundary; in 2 MiB pages neither happens. Measured on a Zen 2 (AVX2,
-2 vCPUs): SmolLM2's 30 int4 layers at one row read from memory at 18 GB/s in 4 KiB pages and
-23-24 GB/s in huge pages (a harness, the same kernel); the captured decode step 5.4-5.5 → 4.4-4.5
-ms. torch allocates each tensor by itself, most of them under 2 MiB (a SmolLM2 projection is
-0.2-0.9 MiB), where no huge page fits even with THP_MEM_ALLOC_ENABLE: so the weights are copied,
-in the order the model runs them, into one private anonymous mapping advised MADV_HUGEPAGE
-(`gather`), and the KV pool is carved from another (`HugePageArena`).
+2 vCPUs, a VM): SmolLM2's 30 int4 layers at one row read from memory at 18 GB/s in 4 KiB pages
+and 23-24 GB/s in huge pages (a harness, the same kernel); its captured decode step 6.05 / 6.53
+→ 5.33 / 5.09 ms (docs/benchmarks.md, session 21). torch allocates each tensor by itself, most
+of them under 2 MiB (a SmolLM2 projection is 0.2-0.9 MiB), where no huge page fits even with
+THP_MEM_ALLOC_ENABLE: so the weights are copied, in the order the model runs them, into one
+private anonymous mapping advised MADV_HUGEPAGE (`gather`), and the KV pool is carved from
+another (`HugePageArena`).
 
 Linux only, and only where /sys/kernel/mm/transparent_hugepage/enabled is `madvise` or
 `always` (`huge_pages_mode`); elsewhere the arena is an ordinary mapping (the same memory, in
@@ -19,14 +20,12 @@ dtype, shape, strides, storage offset and the storages it shares with others (a 
 from __future__ import annotations
 
 import ctypes
-import logging
+import math
 import mmap
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
 _ALIGN = 64  # every storage starts on a cache line (the kernels' vector loads)
@@ -90,11 +89,8 @@ class HugePageArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor in the arena (zero until written: fresh anonymous memory)."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return torch.empty(0, dtype=dtype).set_(self.storage(numel * elem), 0, shape)
+        t = torch.empty(0, dtype=dtype)
+        return t.set_(self.storage(math.prod(shape) * t.element_size()), 0, shape)
 
     @staticmethod
     def size_for(nbytes: Iterable[int]) -> int:
