@@ -203,17 +203,10 @@ def _best(fn) -> float:  # noqa: ANN001
 
 
 def _copy_rate() -> float:
-    import torch
+    from dsinfer.device.host_memory import copy_buffers
 
-    from dsinfer.device.host_memory import HugePageArena
-
-    # 2 × 48 MiB: past any L3 share. In huge pages, as the weights and the KV pool are kept: in
-    # 4 KiB pages the copy measured ~30% less on a Zen 2 VM, which would overstate MBU.
-    n = 6 * 1024**2
-    arena = HugePageArena(2 * n * 8 + 128)
-    src = arena.empty((n,), torch.float64).fill_(1.0)
-    dst = arena.empty((n,), torch.float64).zero_()
-    return 2 * n * 8 / _best(lambda: dst.copy_(src))  # read + write
+    src, dst = copy_buffers(48 << 20)  # 2 × 48 MiB: past any L3 share
+    return 2 * src.nbytes / _best(lambda: dst.copy_(src))  # read + write
 
 
 def _gemm_rate(dtype) -> float:  # noqa: ANN001

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dsinfer.device.host_memory import HugePageArena
+from dsinfer.device.host_memory import copy_buffers
 from dsinfer.planner.dispatch_probe import expert_overhead, layer_overhead
 from dsinfer.progress import progress
 
@@ -26,14 +26,10 @@ def _best(fn: Callable[[], object], repeats: int = 5) -> float:
 
 
 def memory_bandwidth() -> float:
-    """Bytes/s of a large copy (read + write), all threads: the node's bandwidth, in huge
-    pages where the OS offers them, as the engine keeps its weights and KV pool (in 4 KiB
-    pages a Zen 2 VM copied ~20% slower: device/host_memory.py)."""
-    n = 64 * 1024**2  # 256 MiB
-    arena = HugePageArena(2 * n * 4 + 128)
-    src = arena.empty((n,), torch.float32).fill_(1.0)
-    dst = arena.empty((n,), torch.float32).zero_()
-    return 2 * n * 4 / _best(lambda: dst.copy_(src))
+    """Bytes/s of a large copy (read + write), all threads: the node's bandwidth, in the huge
+    pages the engine keeps its weights and KV pool in (device/host_memory.copy_buffers)."""
+    src, dst = copy_buffers(256 << 20)
+    return 2 * src.nbytes / _best(lambda: dst.copy_(src))
 
 
 def gemm_flops(dtype: torch.dtype, n: int = 1024) -> float:
