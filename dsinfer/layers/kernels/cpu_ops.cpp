@@ -2578,16 +2578,20 @@ at::Tensor int4_bf16_linear(const at::Tensor& x, const at::Tensor& codes, const 
   return out;
 }
 
-// ---- int4 × int8 activations: llama.cpp's arithmetic, opted into (--int8-activations) ------
+// ---- int4 × int8 activations: llama.cpp's arithmetic (--int8-activations) ----------------
 // The int16 kernel above is bound by `vpmaddwd`: 16 products an instruction, one instruction a
 // cycle on a Zen 2, ~80% of it reached at 16 rows and in prefill. `vpmaddubsw` multiplies 32
 // unsigned bytes by 32 signed bytes an instruction at about the same rate: with the codes as
 // the unsigned bytes (0..15) and the activations rounded to int8 per group of 32 (d = max|x| /
-// 127, as llama.cpp's Q8 activations), twice the products an instruction. The price is the
-// activations' precision: ~258× coarser than int16, +0.9-1.5% perplexity on SmolLM2 with every
-// int4 layer (docs/backends.md), so it is never the default. Same packed layout; the formula above, except
-// that the zero points meet the activations' own sum (free, and the rounding stays out of it):
-//   Σ_k w[o,k] x[k] = s[g,o] · d · Σ_k q[o,k] xq[k] + (z[g,o] − 8 s[g,o]) · Σ_k x[k]
+// 127, as llama.cpp's Q8 activations), twice the products an instruction. Same packed layout
+// and the formula above, int8 for int16:
+//   Σ_k w[o,k] x[k] ≈ s[g,o] · d · Σ_k q[o,k] xq[k] + (z[g,o] − 8 s[g,o]) · d · Σ_k xq[k]
+// The zero points must meet the sum of the *rounded* activations: then the result is exactly
+// Σ_k w[o,k] · d·xq[k], and each rounding error meets its centred weight w (a Q4_1 group's
+// codes span its weights' range, so z − 8 s ≈ −7.5 s). Until session 22 they met the exact
+// sum Σ x, which left the errors on the uncentred codes (q · s, 0..15 s): 2.3× the output
+// error on SmolLM2's layers, +0.9-1.5% perplexity where the rounding itself costs ~0.1-0.3%
+// (docs/backends.md).
 // A lane's dword holds inputs k..k+3 in its low nibbles and k+4..k+7 in its high ones (byte b:
 // k + b and k + 4 + b), so the activations keep their natural order: 4 bytes a broadcast.
 // The int16 pair sums are exact and stay in int16 for a group: 8 instructions of at most
@@ -2598,7 +2602,7 @@ struct I8Rows {
   int64_t K, G;
   std::unique_ptr<int8_t[]> q;       // [M, K]: the activations rounded, in their own order
   std::unique_ptr<float[]> scale;    // [M, G]: d
-  std::unique_ptr<float[]> sums;     // [M, G]: Σ x, exactly as given (the zero points' term)
+  std::unique_ptr<float[]> sums;     // [M, G]: d · Σ xq (the sum of the values multiplied)
 
   explicit I8Rows(const at::Tensor& x)
       : K(x.size(1)), G(x.size(1) / 32), q(new int8_t[x.numel()]), scale(new float[x.size(0) * G]),
@@ -2611,10 +2615,11 @@ struct I8Rows {
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t g = 0; g < G; ++g) {
           int8_t* qg = q.get() + m * K + g * 32;
-          scale[m * G + g] = round_to_int<int8_t>(xp, bf16, m * K + g * 32, 32, v, qg);
-          float total = 0.f;
-          for (int k = 0; k < 32; ++k) total += v[k];
-          sums[m * G + g] = total;
+          const float d = round_to_int<int8_t>(xp, bf16, m * K + g * 32, 32, v, qg);
+          int32_t total = 0;
+          for (int k = 0; k < 32; ++k) total += qg[k];
+          scale[m * G + g] = d;
+          sums[m * G + g] = d * static_cast<float>(total);
         }
     });
   }
