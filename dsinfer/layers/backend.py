@@ -65,21 +65,32 @@ def kernels_of(name: str, int8_activations: str = "none") -> Kernels:
     return dataclasses.replace(kernels, int8_activations=int8_activations)
 
 
+def _int8_activations_unavailable(backend: str, device: torch.device) -> str | None:
+    """Why the int8-activation kernel cannot run with this backend and device, or None."""
+    if backend != "fused" or device.type != "cpu":
+        return "int8 activations are a kernel of the fused CPU backend"
+    if not torch.ops.dsinfer.int4_i8_supported():
+        return "this CPU has no AVX2 + FMA (the int8-activation kernel's instructions)"
+    return None
+
+
 def resolve_int8_activations(requested: str, backend: str, device: torch.device) -> str:
-    """--int8-activations: none, or out_proj / all where the kernel runs (a ValueError with the
-    reason elsewhere). The kernel is written with AVX2 instructions: it runs on AVX-512 CPUs
-    too, where it was not measured against their bf16 kernels."""
+    """--int8-activations → the policy the kernels apply: none, out_proj or all.
+
+    auto takes all where the int4 kernels are AVX2's: there the int16 kernel is bound by
+    `vpmaddwd` and int8 activations give 1.4-1.55x its rate with many rows, within the quality
+    gate (docs/backends.md). On AVX-512 VNNI/BF16 CPUs the int4 kernels multiply bf16 pairs
+    and the int8 one was not measured against them, so auto keeps none there, and off the CPU.
+    out_proj / all where the kernel cannot run: a ValueError with the reason."""
     if requested not in INT8_ACTIVATIONS:
         raise ValueError(
             f"unknown int8 activations {requested!r}; choose one of {', '.join(INT8_ACTIVATIONS)}"
         )
     if requested == "none":
         return requested
-    why_not = None
-    if backend != "fused" or device.type != "cpu":
-        why_not = "int8 activations are a kernel of the fused CPU backend"
-    elif not torch.ops.dsinfer.int4_i8_supported():
-        why_not = "this CPU has no AVX2 + FMA (the int8-activation kernel's instructions)"
+    why_not = _int8_activations_unavailable(backend, device)
+    if requested == "auto":
+        return "all" if why_not is None and not torch.ops.dsinfer.int8_vnni_supported() else "none"
     if why_not:
         raise ValueError(
             f"--int8-activations {requested} cannot run here ({why_not}; backend {backend}, "
@@ -105,14 +116,20 @@ def apply_backend(
     else:
         logger.info("backend: %s (%s)", choice.name, choice.reason)
     if int8 != "none":
-        _log_int8_activations(model, int8)
+        _log_int8_activations(model, int8, int8_activations)
     return choice
 
 
-def _log_int8_activations(model: nn.Module, policy: str) -> None:
+def _log_int8_activations(model: nn.Module, policy: str, requested: str) -> None:
     methods = [m.method for m in model.modules() if hasattr(getattr(m, "method", None), "int8")]
     took = sum(bool(method.int8) for method in methods)
+    how = f"{policy}, {requested}" if requested != policy else policy
     if took:
-        logger.info("int8 activations (%s): %d of %d int4 layers", policy, took, len(methods))
-    else:
-        logger.info("int8 activations (%s): no int4 layer takes them here", policy)
+        logger.info(
+            "int8 activations (%s): %d of %d int4 layers (--int8-activations none: exact)",
+            how,
+            took,
+            len(methods),
+        )
+    elif methods:
+        logger.info("int8 activations (%s): no int4 layer takes them here", how)

@@ -318,11 +318,16 @@ def test_backend_choice_is_explained() -> None:
 
 def test_int8_activations_policy_is_explained() -> None:
     """--int8-activations: none anywhere; out_proj and all with the fused CPU backend only, and
-    a reason otherwise; the kernel set says which layers take them."""
+    a reason otherwise; auto (the default) takes all where the int4 kernels are AVX2's and
+    none elsewhere; the kernel set says which layers take them."""
     from dsinfer.layers.backend import kernels_of, resolve_int8_activations
 
     cpu = torch.device("cpu")
     assert resolve_int8_activations("none", "reference", cpu) == "none"
+    assert resolve_int8_activations("auto", "reference", cpu) == "none"
+    assert resolve_int8_activations("auto", "fused", torch.device("cuda")) == "none"
+    avx2_int4 = torch.ops.dsinfer.int4_i8_supported() and not torch.ops.dsinfer.int8_vnni_supported()
+    assert resolve_int8_activations("auto", "fused", cpu) == ("all" if avx2_int4 else "none")
     with pytest.raises(ValueError, match="kernel of the fused CPU backend.*use none"):
         resolve_int8_activations("all", "reference", cpu)
     with pytest.raises(ValueError, match="unknown int8 activations 'some'"):

@@ -122,23 +122,25 @@ def test_bf16_fused_within_the_references_own_noise(quantization: str):
         assert tokens_match_up_to_near_tie(a, b, logits, tol=1.0), (prompt, a, b)
 
 
-def test_int8_activations_cost_the_perplexity_the_docs_give():
+def test_int8_activations_hold_the_quality_gate():
     """--int8-activations all rounds every int4 layer's activations to int8 (llama.cpp's
-    arithmetic): the long text's prompt perplexity rises against the reference's by what
-    docs/backends.md measured (+0.93%; held within +2%), and stays above the exact default's
-    (−0.28%): a kernel that silently fell back to the int16 one would not. The greedy text of a
-    prompt keeps its first tokens."""
+    arithmetic; the default on AVX2 CPUs, where the test above holds it to the gate in both
+    paths): the long text's prompt perplexity stays within 0.5% of the reference's (+0.27%
+    measured; the kernel's zero points met the exact activations' sum until session 22, +0.93%
+    here) and differs from the exact kernel's (a kernel that silently fell back to the int16
+    one would not). The greedy text of a prompt keeps its first tokens."""
     from dsinfer.layers.kernels.cpu_build import load_cpu_ops
 
     if load_cpu_ops() is not None or not torch.ops.dsinfer.int4_i8_supported():
         pytest.skip("no AVX2 + FMA: the int8-activation kernel is not built here")
     common = dict(dtype="bfloat16", quantization="int4", kv_cache_memory="64MiB")
     ref = LLM("smollm2", backend="reference", **common)
-    exact = LLM("smollm2", backend="fused", **common)
+    exact = LLM("smollm2", backend="fused", int8_activations="none", **common)
     int8 = LLM("smollm2", backend="fused", int8_activations="all", **common)
     ids = ref.tokenizer.encode(LONG_TEXT.read_text())
     p_ref, p_exact, p_int8 = (_perplexity(llm, ids) for llm in (ref, exact, int8))
-    assert 0 < (p_int8 - p_ref) / p_ref < 0.02, (p_int8, p_ref)
-    assert p_int8 > p_exact, (p_int8, p_exact)
+    assert abs(p_int8 - p_ref) / p_ref < 0.005, (p_int8, p_ref)
+    assert abs(p_exact - p_ref) / p_ref < 0.005, (p_exact, p_ref)
+    assert p_int8 != p_exact, (p_int8, p_exact)
     ours, theirs = _greedy(int8, PROMPTS[:1], 4), _greedy(ref, PROMPTS[:1], 4)
     assert ours[0][:2] == theirs[0][:2], (ours, theirs)
