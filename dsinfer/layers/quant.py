@@ -144,9 +144,9 @@ def int4_mm(
     the few-rows kernel rounds the activations to int8 per group of 32, llama.cpp's way."""
     many = dense_rows and flat.shape[0] >= dense_rows and flat.dtype == torch.bfloat16
     if vnni and int8 and not many:
-        # --int8-activations: twice the products an instruction on AVX2, the activations ~258x
-        # coarser than int16 (every int4 layer: +0.9-1.5% perplexity, the output projections
-        # alone up to +0.5%: docs/backends.md).
+        # --int8-activations (all by default on AVX2 CPUs): twice the products an instruction
+        # there, the activations ~258x coarser than int16 (every int4 layer: +0.27% prompt
+        # perplexity, -0.09% decode on SmolLM2: docs/backends.md).
         return torch.ops.dsinfer.int4_i8_linear(flat, qweight, scales_zeros)
     if vnni:
         # Few rows: the codes widened in registers and multiplied with the activations' own

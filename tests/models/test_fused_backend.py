@@ -6,7 +6,8 @@ logit of ~30 (measured), so the fused path is held to twice that disagreement â€
 is off by whole units â€” and to the greedy text and the perplexity.
 
 int4 on the fused backend multiplies the codes with the activations as they are (bf16, fp32
-sums), without the reference's bf16 rounding of each dequantised weight; its LM head (int8
+sums; on AVX2 CPUs, by default, rounded to int8 per group of 32: --int8-activations auto),
+without the reference's bf16 rounding of each dequantised weight; its LM head (int8
 under int4) quantises the activations to int8 per group of 32. Its logits differ from the
 reference's by 0.12-0.20 on average and up to 1.1 (measured on these prompts; ~0.6 and up to ~3
 with the int8 activations of the int4 projections until session 15), so it is held to the
