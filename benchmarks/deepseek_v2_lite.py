@@ -48,7 +48,9 @@ def main() -> int:
     p.add_argument("--quant", default="int8", choices=["int8", "int4"])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--int8-activations", default="none", choices=["none", "out_proj", "all"])
+    p.add_argument(
+        "--int8-activations", default="auto", choices=["auto", "none", "out_proj", "all"]
+    )
     p.add_argument(
         "--no-huge-pages", action="store_true", help="weights and KV pool in 4 KiB pages (A/B)"
     )
