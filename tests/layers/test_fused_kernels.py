@@ -326,7 +326,9 @@ def test_int8_activations_policy_is_explained() -> None:
     assert resolve_int8_activations("none", "reference", cpu) == "none"
     assert resolve_int8_activations("auto", "reference", cpu) == "none"
     assert resolve_int8_activations("auto", "fused", torch.device("cuda")) == "none"
-    avx2_int4 = torch.ops.dsinfer.int4_i8_supported() and not torch.ops.dsinfer.int8_vnni_supported()
+    avx2_int4 = (
+        torch.ops.dsinfer.int4_i8_supported() and not torch.ops.dsinfer.int8_vnni_supported()
+    )
     assert resolve_int8_activations("auto", "fused", cpu) == ("all" if avx2_int4 else "none")
     with pytest.raises(ValueError, match="kernel of the fused CPU backend.*use none"):
         resolve_int8_activations("all", "reference", cpu)

@@ -1912,7 +1912,7 @@ inline float round_to_int(const void* x, bool bf16, int64_t at, int64_t n, float
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// round_to_int on 8 lanes, for n a multiple of 32 (every group and row the kernels round):
+// round_to_int on 8 lanes, for n a multiple of 32 (the int4 kernels round groups of 32):
 // the same values bit for bit (the product v · inv rounded to nearest even by cvtps, as
 // nearbyint does), and the rounded values' sum in `total`. One element at a time it took
 // ~15% of a 512-row int8 call.
