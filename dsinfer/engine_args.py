@@ -75,7 +75,7 @@ class EngineArgs:
         default="auto",
         metadata=_opt("fused CPU backend: int4 layers whose activations are rounded to int8 per "
                       "group of 32, as llama.cpp does (1.4-1.55x the int4 kernel's rate with "
-                      "many rows on AVX2 CPUs; +0.3% perplexity or less: docs/backends.md): "
+                      "many rows on AVX2 CPUs; +0.3%% perplexity or less: docs/backends.md): "
                       "auto, all where the int4 kernels are AVX2's and none elsewhere; all; "
                       "out_proj, the blocks' output projections; none (exact to 2^-16)",
                       choices=INT8_ACTIVATIONS),

@@ -46,3 +46,16 @@ def test_llm_names_what_it_does_not_know():
     with pytest.raises(ValueError, match="unknown argument.*kv_cache_mem;.*kv_cache_memory"):
         LLM("smollm2", kv_cache_mem="1GiB")
     assert "kv_cache_memory ('512MiB'): KV pool budget" in LLM.__doc__
+
+
+def test_every_command_prints_its_help(capsys):
+    """argparse formats help strings with %: a bare "%" in one (a "+0.3%" once) turned
+    `dsinfer serve --help` into a traceback."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        assert sub.format_help(), name
+        with pytest.raises(SystemExit) as done:
+            parser.parse_args([name, "--help"])
+        assert done.value.code == 0, name
+    assert "--int8-activations" in capsys.readouterr().out
