@@ -1895,29 +1895,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
-// Elements [at, at + n) of x (fp32 or bf16) rounded to Q's symmetric range with one scale:
-// q = x · L / max|x| to nearest even, L = 32767 (int16) or 127 (int8); returns the scale
-// d = max|x| / L (v: n floats of scratch). The activations of the AVX2 kernels: a row of the
-// int8 head's, a group of 32 of int4's (int16), or of int4_i8_linear's (int8).
-template <typename Q>
-inline float round_to_int(const void* x, bool bf16, int64_t at, int64_t n, float* v, Q* q) {
-  constexpr float kLevels = static_cast<float>(std::numeric_limits<Q>::max());
-  if (bf16) widen(raw(static_cast<const c10::BFloat16*>(x) + at), v, n);
-  else std::memcpy(v, static_cast<const float*>(x) + at, n * sizeof(float));
-  float amax = 0.f;
-  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(v[k]));
-  const float inv = amax > 0.f ? kLevels / amax : 0.f;
-  for (int64_t k = 0; k < n; ++k) q[k] = static_cast<Q>(std::nearbyint(v[k] * inv));
-  return amax / kLevels;
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
-// round_to_int on 8 lanes, for n a multiple of 32 (the int4 kernels round groups of 32):
-// the same values bit for bit (the product v · inv rounded to nearest even by cvtps, as
-// nearbyint does), and the rounded values' sum in `total`. One element at a time it took
-// ~15% of a 512-row int8 call.
+// round_to_int's 8-lane path, for n a multiple of 32 (every group, and the int8 head's rows where K
+// is one): the same values bit for bit (v · inv rounded to nearest even by cvtps, as
+// nearbyint does). One element at a time it took ~15% of a 512-row int8 call.
 template <typename Q>
-inline float round_to_int32s(const void* x, bool bf16, int64_t at, int64_t n, Q* q, int32_t& total) {
+inline float round_to_int_lanes(const void* x, bool bf16, int64_t at, int64_t n, Q* q, int32_t* total) {
   static_assert(std::is_same_v<Q, int8_t> || std::is_same_v<Q, int16_t>);
   constexpr float kLevels = static_cast<float>(std::numeric_limits<Q>::max());
   const auto load = [&](int64_t i) {
@@ -1949,12 +1932,41 @@ inline float round_to_int32s(const void* x, bool bf16, int64_t at, int64_t n, Q*
       _mm256_storeu_si256((__m256i*)(q + i), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     }
   }
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+  if (total != nullptr) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    *total = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+  }
   return amax / kLevels;
 }
 #endif
+
+
+// Elements [at, at + n) of x (fp32 or bf16) rounded to Q's symmetric range with one scale:
+// q = x · L / max|x| to nearest even, L = 32767 (int16) or 127 (int8); returns the scale
+// d = max|x| / L, and the rounded values' sum in `total` when asked (v: n floats of scratch,
+// for the scalar path). The activations of the AVX2 kernels: a row of the int8 head's, a group
+// of 32 of int4's (int16), or of int4_i8_linear's (int8).
+template <typename Q>
+inline float round_to_int(const void* x, bool bf16, int64_t at, int64_t n, float* v, Q* q,
+                          int32_t* total = nullptr) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 32 == 0) return round_to_int_lanes(x, bf16, at, n, q, total);
+#endif
+  constexpr float kLevels = static_cast<float>(std::numeric_limits<Q>::max());
+  if (bf16) widen(raw(static_cast<const c10::BFloat16*>(x) + at), v, n);
+  else std::memcpy(v, static_cast<const float*>(x) + at, n * sizeof(float));
+  float amax = 0.f;
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(v[k]));
+  const float inv = amax > 0.f ? kLevels / amax : 0.f;
+  for (int64_t k = 0; k < n; ++k) q[k] = static_cast<Q>(std::nearbyint(v[k] * inv));
+  if (total != nullptr) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < n; ++k) sum += q[k];
+    *total = sum;
+  }
+  return amax / kLevels;
+}
 
 // How far ahead of its loads an AVX2 int4 kernel asks for the codes (bytes): one core's
 // hardware prefetcher alone kept too few lines in flight (SmolLM2's 30 layers at one row,
@@ -2469,12 +2481,13 @@ struct I16PairRows {
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const void* xp = x.const_data_ptr();
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      float v[32];
       int16_t q[32];
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t at = m * K + g * 32;
           int32_t total;
-          const float d = round_to_int32s<int16_t>(xp, bf16, at, 32, q, total);
+          const float d = round_to_int<int16_t>(xp, bf16, at, 32, v, q, &total);
           // Chunk c of 8 inputs, pair p: inputs (c·8 + a, c·8 + a + 2), a = 0, 1, 4, 5.
           static constexpr int kFirst[4] = {0, 1, 4, 5};
           int32_t* out = pairs.get() + at / 2;
@@ -2661,10 +2674,11 @@ struct I8Rows {
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const void* xp = x.const_data_ptr();
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      float v[32];
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t g = 0; g < G; ++g) {
           int32_t total;
-          const float d = round_to_int32s<int8_t>(xp, bf16, m * K + g * 32, 32, q.get() + m * K + g * 32, total);
+          const float d = round_to_int<int8_t>(xp, bf16, m * K + g * 32, 32, v, q.get() + m * K + g * 32, &total);
           scale[m * G + g] = d;
           sums[m * G + g] = d * static_cast<float>(total);
         }
