@@ -120,10 +120,34 @@ inline float exp_f32(float x) {
   return p * scale;
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The rows' loops on 8 lanes (defined with the other AVX2 helpers below), for fp32 and bf16
+// rows of a multiple of 32: Σ x² of a row; out = round(x · inv) · w; out = round(x + r), returning
+// Σ out².
+template <typename T>
+float sum_squares8(const T* x, int64_t n);
+template <typename T>
+void scale_row8(const T* x, const T* w, T* out, int64_t n, float inv);
+template <typename T>
+float add_row8(const T* x, const T* r, T* out, int64_t n);
+template <typename T>
+constexpr bool kAvx2Row = (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+#endif
+
 // out = weight * round(x * rsqrt(mean(x^2) + eps)), as the reference RMSNorm computes it:
 // statistics in fp32, the normalised row rounded to the activation dtype before the weight.
 template <typename T>
 void rms_row(const T* xt, const T* wt, T* ot, int64_t n, float eps) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  // GCC's `omp simd` sum kept one accumulator (an FMA's latency a vector) and rounded to bf16
+  // with scalar-shaped code: ~0.4 µs a 576-wide row.
+  if constexpr (kAvx2Row<T>) {
+    if (n % 32 == 0) {
+      scale_row8(xt, wt, ot, n, 1.f / std::sqrt(sum_squares8(xt, n) / static_cast<float>(n) + eps));
+      return;
+    }
+  }
+#endif
   using R = raw_t<T>;
   const R* x = raw(xt);
   const R* w = raw(wt);
@@ -186,6 +210,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     auto* sp = sum.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+        if constexpr (kAvx2Row<scalar_t>) {
+          if (n % 32 == 0) {  // the sum's squares taken as it is written: one pass fewer
+            const float ss = add_row8(xp + r * n, rp + r * n, sp + r * n, n);
+            scale_row8(sp + r * n, wp, op + r * n, n, 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps)));
+            continue;
+          }
+        }
+#endif
         add_row(xp + r * n, rp + r * n, sp + r * n, n);
         rms_row(sp + r * n, wp, op + r * n, n, static_cast<float>(eps));
       }
@@ -311,6 +344,35 @@ inline void store8(c10::BFloat16* p, __m256 v) {
   const __m256i w = bf16_bits8(v);  // 8 dwords → 8 words, in order
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
   _mm_storeu_si128((__m128i*)p, packed);
+}
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+template <typename T>
+float sum_squares8(const T* x, int64_t n) {
+  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t i = 0; i < n; i += 32)
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v = load8(x + i + 8 * j);
+      a[j] = _mm256_fmadd_ps(v, v, a[j]);
+    }
+  return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+}
+template <typename T>
+void scale_row8(const T* x, const T* w, T* out, int64_t n, float inv) {
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < n; i += 8) store8(out + i, _mm256_mul_ps(round8(_mm256_mul_ps(load8(x + i), iv), x), load8(w + i)));
+}
+template <typename T>
+float add_row8(const T* x, const T* r, T* out, int64_t n) {
+  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t i = 0; i < n; i += 32)
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v = round8(_mm256_add_ps(load8(x + i + 8 * j), load8(r + i + 8 * j)), x);
+      store8(out + i + 8 * j, v);  // exact: v is already T's value
+      a[j] = _mm256_fmadd_ps(v, v, a[j]);
+    }
+  return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
 }
 #endif
 
