@@ -5,8 +5,8 @@ vocabulary for top-p, an exponential noise row for the draw) cost ~5 ms a row at
 vocabulary, more than the 16-row decode step itself. Rows whose support is short (top-k, or a
 top-p nucleus that ends within the top 256, then 4,096, tokens, as a model's nucleus almost
 always does) are drawn from their top candidates; the others from the whole row. Each row draws
-one uniform number from its own generator, whatever its path: a seed gives the same text in any
-batch.
+one uniform number from its own generator, once, whatever path then uses it: a seed gives the
+same text in any batch.
 """
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ def _outside_nucleus(x: torch.Tensor, top_p: list[float]) -> torch.Tensor:
 _DRAW_BLOCK = 256  # tokens a block in draw_tokens' two-level search
 
 
-def draw_tokens(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+def draw_tokens(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     """One token per row of probs [B, V] (rows need not be normalised; zeros are never drawn):
-    the inverse of each row's cumulative distribution at one uniform draw from the row's own
-    generator, so a row's draw never depends on the others.
+    the inverse of each row's cumulative distribution at its uniform u [B] (fp64, in [0, 1),
+    from the row's own generator), so a row's draw never depends on the others.
 
     Two levels, so that no float64 pass runs over the whole vocabulary (a cumsum over
     [16, 49152] cost ~2 ms here): the draw picks a block of 256 tokens by the blocks' masses,
@@ -85,7 +85,7 @@ def draw_tokens(probs: torch.Tensor, generators: list[torch.Generator]) -> list[
     padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
     blocks = padded.view(b, -1, _DRAW_BLOCK)  # [B, NB, 256]
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [B, NB]
-    u = _uniforms(generators, probs.device) * block_cdf[:, -1]  # [B], in [0, mass)
+    u = u.to(probs.device) * block_cdf[:, -1]  # [B], in [0, mass)
     # right=True: the first entry whose cumulative mass exceeds u; an entry of zero mass has an
     # empty interval and is never chosen.
     nb = block_cdf.shape[1]
@@ -137,6 +137,7 @@ def draw_sampled(
 ) -> list[int]:
     """A token for each row of logits [B, V] (fp32), drawn from filter_rows' distribution."""
     vocab = logits.shape[-1]
+    u = _uniforms(generators, logits.device)  # [B]: each row's one number, whatever its path
     picks: list[int | None] = [None] * len(params)
     # Rows with a short support try the candidate tiers in turn; the rest (and a nucleus
     # longer than the last tier) are drawn from the whole row.
@@ -144,20 +145,20 @@ def draw_sampled(
     for n in _CANDIDATE_TIERS:
         if not pending:
             break
-        pending = _draw_from_candidates(logits, params, generators, pending, n, picks)
+        pending = _draw_from_candidates(logits, params, u, pending, n, picks)
     rest = [j for j, token in enumerate(picks) if token is None]
     if rest and _cpu_ops(logits, "sample_full_rows"):
         # Temperature alone (the OpenAI default): the whole row, in one C++ pass a row.
         whole = [j for j in rest if params[j].min_p <= 0.0 and not _short_support(params[j], vocab)]
         if whole:
-            _draw_whole_rows(logits, params, generators, whole, picks)
+            _draw_whole_rows(logits, params, u, whole, picks)
             rest = [j for j in rest if picks[j] is None]
     if rest:
         lr = logits[rest] if len(rest) < len(picks) else logits
         pr = [params[j] for j in rest]
         xr = lr / _per_row([p.temperature for p in pr], lr)
         probs = torch.softmax(_truncate(xr, pr), dim=-1)
-        for j, token in zip(rest, draw_tokens(probs, [generators[j] for j in rest]), strict=True):
+        for j, token in zip(rest, draw_tokens(probs, u[rest]), strict=True):
             picks[j] = token
     return picks  # type: ignore[return-value]
 
@@ -199,17 +200,16 @@ def _cpu_ops(logits: torch.Tensor, op: str) -> bool:
 def _draw_whole_rows(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator],
+    u: torch.Tensor,
     rows: list[int],
     picks: list[int | None],
 ) -> None:
     """Draw `rows` (no truncation) from softmax(logits / temperature) into `picks`: the same
-    rule as draw_tokens (one fp64 uniform from the row's generator, the inverse of the
-    cumulative distribution over blocks of 256 tokens, then inside the block)."""
+    rule as draw_tokens (the row's fp64 uniform u, the inverse of the cumulative distribution
+    over blocks of 256 tokens, then inside the block)."""
     ls = logits[rows] if len(rows) < logits.shape[0] else logits
     t = torch.tensor([params[j].temperature for j in rows], dtype=torch.float32)
-    u = _uniforms([generators[j] for j in rows], ls.device)
-    ids = torch.ops.dsinfer.sample_full_rows(ls.contiguous(), t, u).tolist()
+    ids = torch.ops.dsinfer.sample_full_rows(ls.contiguous(), t, u[rows].cpu()).tolist()
     for r, (j, token) in enumerate(zip(rows, ids, strict=True)):
         picks[j] = token if token >= 0 else _nan_argmax(ls[r])  # -1: no distribution
 
@@ -217,7 +217,7 @@ def _draw_whole_rows(
 def _draw_from_candidates(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator],
+    u: torch.Tensor,
     rows: list[int],
     candidates: int,
     picks: list[int | None],
@@ -231,6 +231,23 @@ def _draw_from_candidates(
     ls = logits[rows] if len(rows) < logits.shape[0] else logits
     n = min(vocab, max([candidates, *(k for k in kr if k < vocab)]))
     probs, ids = top_probabilities(ls, [params[j].temperature for j in rows], n)  # [R, n]
+    if _cpu_ops(logits, "draw_candidates"):
+        # The rule below in one C++ call (cpu_ops.cpp's draw_candidates; the same support).
+        slots = torch.ops.dsinfer.draw_candidates(
+            probs,
+            torch.tensor(kr),
+            torch.tensor([params[j].top_p for j in rows], dtype=torch.float32),
+            torch.tensor([params[j].min_p for j in rows], dtype=torch.float32),
+            u[rows].cpu(),
+            vocab,
+        ).tolist()
+        left = []
+        for r, (j, slot) in enumerate(zip(rows, slots, strict=True)):
+            if slot >= 0:
+                picks[j] = int(ids[r, slot])
+            else:
+                left.append(j)
+        return left
     k_rows = torch.tensor(kr, device=logits.device)
     keep = torch.arange(n, device=logits.device).unsqueeze(0) < k_rows.unsqueeze(1)
     q = probs * keep
@@ -245,11 +262,11 @@ def _draw_from_candidates(
     complete = ((k_rows <= n) | ~keep[:, -1]) & torch.isfinite(probs[:, 0])
     min_p = _per_row([params[j].min_p for j in rows], q)
     keep &= q >= min_p * q[:, :1]
-    # Only the complete rows draw here: a row's generator gives one number per token.
+    # Only the complete rows draw here; the others keep their number for the next path.
     done = torch.nonzero(complete).flatten().tolist()
     if done:
         sel = torch.tensor(done, device=logits.device)
-        slots = draw_tokens((q * keep)[sel], [generators[rows[r]] for r in done])
+        slots = draw_tokens((q * keep)[sel], u[[rows[r] for r in done]])
         for r, slot in zip(done, slots, strict=True):
             picks[rows[r]] = int(ids[r, slot])
     finished = set(done)

@@ -134,6 +134,7 @@ def candidates_path(request, monkeypatch):
         assert load_cpu_ops() is None
         assert token_draw._cpu_ops(torch.zeros(1, 2), "softmax_top_candidates")
         assert token_draw._cpu_ops(torch.zeros(1, 2), "sample_full_rows")
+        assert token_draw._cpu_ops(torch.zeros(1, 2), "draw_candidates")
     else:
         monkeypatch.setattr(token_draw, "_cpu_ops", lambda logits, op: False)
     return request.param
@@ -249,8 +250,8 @@ def test_draw_never_picks_a_zero_probability_token():
     probs = torch.zeros(64, 1000)
     probs[:, 257] = 1.0  # one token in the second block of 256
     probs[::2, 999] = 3.0  # and the last token of a partial block on even rows
-    gens = [torch.Generator().manual_seed(s) for s in range(64)]
-    tokens = draw_tokens(probs, gens)
+    u = torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    tokens = draw_tokens(probs, u)
     assert set(tokens) <= {257, 999}
     assert all(t == 257 for t in tokens[1::2])
 
@@ -264,3 +265,43 @@ def test_a_row_of_nan_logits_does_not_stop_the_batch(candidates_path):
     plain = [_state(seed=s, temperature=0.8) for s in range(3)]
     tokens, _ = Sampler()(rows, plain)
     assert all(0 <= t < _VOCAB for t in tokens)
+
+
+def test_candidate_op_completes_the_rows_the_torch_rule_completes(monkeypatch):
+    """draw_candidates (one C++ call) against the torch ops it stands in for: the same rows
+    are complete (their support ends within the candidates), and every draw lies in
+    filter_rows' support, for rows from flat to sharp under top-k, top-p and min-p."""
+    from dsinfer.layers.kernels.cpu_build import load_cpu_ops
+    from dsinfer.worker import token_draw
+
+    assert load_cpu_ops() is None
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, _VOCAB, generator=g) * torch.linspace(0.2, 6.0, 64)[:, None]
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            top_k=(-1, 5, 300, 40)[i % 4],
+            top_p=(1.0, 0.5, 0.9, 0.99)[i // 4 % 4],
+            min_p=(0.0, 0.2)[i // 16 % 2],
+        )
+        for i in range(64)
+    ]
+    u = torch.rand(64, dtype=torch.float64, generator=g)
+    rows = list(range(64))
+
+    def draw(op: bool) -> tuple[list[int], list[int | None]]:
+        real = token_draw._cpu_ops
+        monkeypatch.setattr(
+            token_draw, "_cpu_ops", lambda x, name: real(x, name) and (op or name != "draw_candidates")
+        )
+        picks: list[int | None] = [None] * 64
+        return token_draw._draw_from_candidates(logits, params, u, rows, 48, picks), picks
+
+    left_op, picks_op = draw(True)
+    left_torch, picks_torch = draw(False)
+    assert left_op == left_torch and 0 < len(left_op) < 64
+    for j in rows:
+        assert (picks_op[j] is None) == (picks_torch[j] is None)
+        if picks_op[j] is not None:
+            support = filter_logits(logits[j].clone(), params[j]) != float("-inf")
+            assert support[picks_op[j]], (j, params[j])
