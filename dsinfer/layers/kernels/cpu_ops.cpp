@@ -1546,7 +1546,7 @@ bool paged_prefill_supported(int64_t head_dim, int64_t group) {
 #endif
 }
 
-// MLA decode, register-blocked (AVX-512): 4 heads × 4 tokens of scores, 4 heads × 64 latent
+// MLA decode, register-blocked (AVX-512; AVX2 below): 4 heads × 4 tokens of scores, 4 heads × 64 latent
 // lanes of values per loop nest, so each load feeds several FMAs (a plain dot product per
 // head and token is load-bound at one FMA per two loads). False: shapes the blocks do not
 // tile (the caller runs the plain loops).
@@ -1603,6 +1603,55 @@ bool mla_blocked(const float* q, int64_t nh, int64_t W, int64_t L, int64_t len, 
         }
         for (int i = 0; i < 4; ++i)
           for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + (h0 + i) * out_stride + k + 16 * j, acc[i][j]);
+      }
+    }
+    return true;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // The same on 8 lanes (session 23; the plain loops before: one dot product a head and
+  // token, a single chain of FMAs each). Scores: 4 heads × 2 tokens, 8 independent sums;
+  // values: 4 heads × 16 latent lanes.
+  if constexpr (kAvx2Element<T>) {
+    if (nh % 4 || W % 8 || L % 16) return false;
+    if (!values) {
+      const int64_t len2 = len - len % 2;
+      for (int64_t t0 = 0; t0 < len; t0 += 2) {
+        const int64_t nt = t0 < len2 ? 2 : 1;
+        const T* rows[2] = {row(t0), row(t0 + nt - 1)};
+        for (int64_t h0 = 0; h0 < nh; h0 += 4) {
+          __m256 acc[4][2];
+          for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+          for (int64_t k = 0; k < W; k += 8) {
+            const __m256 c0 = load8(rows[0] + k), c1 = load8(rows[1] + k);
+            for (int i = 0; i < 4; ++i) {
+              const __m256 qv = _mm256_loadu_ps(q + (h0 + i) * W + k);
+              acc[i][0] = _mm256_fmadd_ps(qv, c0, acc[i][0]);
+              acc[i][1] = _mm256_fmadd_ps(qv, c1, acc[i][1]);
+            }
+          }
+          for (int i = 0; i < 4; ++i)
+            for (int64_t j = 0; j < nt; ++j) scores[(h0 + i) * len + t0 + j] = hsum8(acc[i][j]);
+        }
+      }
+      return true;
+    }
+    for (int64_t h0 = 0; h0 < nh; h0 += 4) {
+      for (int64_t k = 0; k < L; k += 16) {
+        __m256 acc[4][2];
+        for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < len; ++t) {
+          const T* r = row(t) + k;
+          const __m256 c0 = load8(r), c1 = load8(r + 8);
+          for (int i = 0; i < 4; ++i) {
+            const __m256 p = _mm256_set1_ps(scores[(h0 + i) * len + t]);
+            acc[i][0] = _mm256_fmadd_ps(p, c0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(p, c1, acc[i][1]);
+          }
+        }
+        for (int i = 0; i < 4; ++i) {
+          _mm256_storeu_ps(out + (h0 + i) * out_stride + k, acc[i][0]);
+          _mm256_storeu_ps(out + (h0 + i) * out_stride + k + 8, acc[i][1]);
+        }
       }
     }
     return true;
