@@ -3325,6 +3325,14 @@ inline void token_weights8(__m256* y) {
 }
 #endif
 
+// (ys[i], v + i) for each set bit i of `hit`: a vector's tokens above the cut, as candidates.
+inline void collect_hits(const float* ys, uint32_t hit, int64_t v, std::vector<std::pair<float, int64_t>>& cand) {
+  for (; hit; hit &= hit - 1) {
+    const int i = __builtin_ctz(hit);
+    cand.emplace_back(ys[i], v + i);
+  }
+}
+
 namespace {
 constexpr int kDrawBins = 256;
 constexpr float kDrawBinsPerUnit = 8.f;
@@ -3513,10 +3521,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_top_candidates(const at::Tensor& logi
           if (last >= kDrawBins - 1) hit = 0xFFFF;
           if (!hit) continue;
           _mm512_store_ps(ys, y);
-          for (; hit; hit &= hit - 1) {
-            const int i = __builtin_ctz(hit);
-            cand.emplace_back(ys[i], v + i);
-          }
+          collect_hits(ys, hit, v, cand);
         }
       }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -3529,10 +3534,7 @@ std::tuple<at::Tensor, at::Tensor> softmax_top_candidates(const at::Tensor& logi
           if (last >= kDrawBins - 1) hit = 0xFF;
           if (!hit) continue;
           _mm256_store_ps(ys, y);
-          for (; hit; hit &= hit - 1) {
-            const int i = __builtin_ctz(hit);
-            cand.emplace_back(ys[i], v + i);
-          }
+          collect_hits(ys, hit, v, cand);
         }
       }
 #endif
