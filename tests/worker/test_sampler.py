@@ -292,7 +292,9 @@ def test_candidate_op_completes_the_rows_the_torch_rule_completes(monkeypatch):
     def draw(op: bool) -> tuple[list[int], list[int | None]]:
         real = token_draw._cpu_ops
         monkeypatch.setattr(
-            token_draw, "_cpu_ops", lambda x, name: real(x, name) and (op or name != "draw_candidates")
+            token_draw,
+            "_cpu_ops",
+            lambda x, name: real(x, name) and (op or name != "draw_candidates"),
         )
         picks: list[int | None] = [None] * 64
         return token_draw._draw_from_candidates(logits, params, u, rows, 48, picks), picks
