@@ -75,7 +75,7 @@ class EngineArgs:
         default="auto",
         metadata=_opt("fused CPU backend: int4 layers whose activations are rounded to int8 per "
                       "group of 32, as llama.cpp does (1.4-1.55x the int4 kernel's rate with "
-                      "many rows on AVX2 CPUs; +0.3%% perplexity or less: docs/backends.md): "
+                      "many rows on AVX2 CPUs; +0.3% perplexity or less: docs/backends.md): "
                       "auto, all where the int4 kernels are AVX2's and none elsewhere; all; "
                       "out_proj, the blocks' output projections; none (exact to 2^-16)",
                       choices=INT8_ACTIVATIONS),
@@ -215,19 +215,21 @@ class EngineArgs:
         """One flag per field (fields marked cli=False excepted)."""
         for f in dataclasses.fields(EngineArgs):
             meta = f.metadata
+            # argparse reads help as a %-format; the text is plain (LLM's docstring shows it too)
+            help_ = meta["help"].replace("%", "%%")
             extra = dict(meta["argparse"])
             if extra.pop("cli", True) is False:
                 continue
             negate = extra.pop("negate", None)
             if negate is not None:  # a default-True switch, turned off by --no-x
-                parser.add_argument(negate, dest=f.name, action="store_false", help=meta["help"])
+                parser.add_argument(negate, dest=f.name, action="store_false", help=help_)
                 continue
             if extra.get("action") == "append":
                 extra["default"] = []
             else:
                 extra.setdefault("default", f.default)
             flag = meta["flag"] or "--" + f.name.replace("_", "-")
-            parser.add_argument(flag, dest=f.name, help=meta["help"], **extra)
+            parser.add_argument(flag, dest=f.name, help=help_, **extra)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace, model: str, **overrides: Any) -> EngineArgs:
