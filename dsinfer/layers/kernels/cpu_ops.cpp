@@ -120,6 +120,9 @@ inline float exp_f32(float x) {
   return p * scale;
 }
 
+// 1 / rms from a row's Σ x²: rsqrt(mean(x²) + eps).
+inline float inv_rms(float ss, int64_t n, float eps) { return 1.f / std::sqrt(ss / static_cast<float>(n) + eps); }
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // The rows' loops on 8 lanes (defined with the other AVX2 helpers below), for fp32 and bf16
 // rows of a multiple of 32: Σ x² of a row; out = round(x · inv) · w; out = round(x + r), returning
@@ -143,7 +146,7 @@ void rms_row(const T* xt, const T* wt, T* ot, int64_t n, float eps) {
   // with scalar-shaped code: ~0.4 µs a 576-wide row.
   if constexpr (kAvx2Row<T>) {
     if (n % 32 == 0) {
-      scale_row8(xt, wt, ot, n, 1.f / std::sqrt(sum_squares8(xt, n) / static_cast<float>(n) + eps));
+      scale_row8(xt, wt, ot, n, inv_rms(sum_squares8(xt, n), n, eps));
       return;
     }
   }
@@ -155,7 +158,7 @@ void rms_row(const T* xt, const T* wt, T* ot, int64_t n, float eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += load_f(x[i]) * load_f(x[i]);
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const float inv = inv_rms(ss, n, eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = store_f<R>(load_f(store_f<R>(load_f(x[i]) * inv)) * load_f(w[i]));
 }
@@ -214,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
         if constexpr (kAvx2Row<scalar_t>) {
           if (n % 32 == 0) {  // the sum's squares taken as it is written: one pass fewer
             const float ss = add_row8(xp + r * n, rp + r * n, sp + r * n, n);
-            scale_row8(sp + r * n, wp, op + r * n, n, 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps)));
+            scale_row8(sp + r * n, wp, op + r * n, n, inv_rms(ss, n, static_cast<float>(eps)));
             continue;
           }
         }
@@ -267,25 +270,12 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The same on 8 lanes, for CPUs without AVX-512 (SiLU·mul ran as scalar code there: 17 µs a
-// SmolLM2 row on a Zen 2).
-inline __m256 exp8(__m256 x) {
-  using C = CephesExp;
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(C::kLo)), _mm256_set1_ps(C::kHi));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(C::kLog2e), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(C::kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(C::kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(C::kPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(C::kPoly[i]));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-// exp8 of N vectors at once, each step across all N before the next. Why: one exp is a chain
-// of ~15 dependent operations, and a Zen 2's FP scheduler holds too few of them to reach the
-// next vector's independent work when the vectors follow one another in the code: SiLU·mul ran
-// at ~48 cycles a vector that way, ~23 with 8 vectors interleaved (same values).
+// Cephes' expf on 8 lanes (the scalar exp_f32, step for step; SiLU·mul ran as scalar code on
+// AVX2 CPUs before: 17 µs a SmolLM2 row on a Zen 2), for N vectors at once, each step across
+// all N before the next. Why: one exp is a chain of ~15 dependent operations, and a Zen 2's FP
+// scheduler holds too few of them to reach the next vector's independent work when the vectors
+// follow one another in the code: SiLU·mul ran at ~48 cycles a vector that way, ~23 with 8
+// vectors interleaved (same values).
 template <int N>
 inline void exp8n(__m256* x) {
   using C = CephesExp;
@@ -2171,9 +2161,7 @@ inline float round_to_int_lanes(const void* x, bool bf16, int64_t at, int64_t n,
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 mx = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load(i), abs_mask));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const float amax = hmax8(mx);
   const __m256 inv = _mm256_set1_ps(amax > 0.f ? kLevels / amax : 0.f);
   __m256i sum = _mm256_setzero_si256();
   for (int64_t i = 0; i < n; i += 32) {
