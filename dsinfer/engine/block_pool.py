@@ -99,3 +99,38 @@ class BlockPool:
             assert in_free == (self.ref_cnt[bid] == 0), f"block {bid}: ref {self.ref_cnt[bid]}"
         for h, bid in self._by_hash.items():
             assert self.block_hash[bid] == h, f"hash index stale for block {bid}"
+
+
+def pool_capacity_report(
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    budget_bytes: int,
+    blocks_given: bool,
+) -> tuple[str, str | None]:
+    """What the pool holds, said at start-up: (an info line, a warning or None).
+
+    The warning is for a pool smaller than one sequence at the model's context length: the
+    engine still serves, but refuses a longer prompt and cuts an answer short where its
+    sequence outgrows the whole pool (scheduler.py). `budget_bytes` is the budget the blocks
+    were cut from (per rank); the advice scales it by the blocks a full sequence needs."""
+    tokens = num_blocks * block_size
+    info = (
+        f"KV pool: {tokens:,} tokens = {tokens / max_model_len:.1f} sequences at the context "
+        f"length {max_model_len:,}"
+    )
+    if tokens >= max_model_len:
+        return info, None
+    needed = -(-max_model_len // block_size)  # blocks for one full-length sequence
+    if blocks_given:
+        advice = f"--num-kv-blocks {needed}"
+    else:
+        mib = -(-budget_bytes * needed // num_blocks // 2**20)
+        advice = f"--kv-cache-memory {mib}MiB"
+    warning = (
+        f"the KV pool holds {tokens:,} tokens, fewer than the context length "
+        f"{max_model_len:,}: a prompt longer than the pool is refused and an answer is cut "
+        f"short where its sequence outgrows it; for one full-length sequence pass {advice} "
+        f"(or lower --max-model-len to {tokens:,})"
+    )
+    return info, warning

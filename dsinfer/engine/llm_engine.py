@@ -14,7 +14,7 @@ from dsinfer.artifact.verify import TrustPolicy
 from dsinfer.config import EngineConfig
 from dsinfer.device import resolve_device
 from dsinfer.device.host_memory import release_freed_memory
-from dsinfer.engine.block_pool import BlockPool
+from dsinfer.engine.block_pool import BlockPool, pool_capacity_report
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.fault_isolation import RequestFailure, execute_isolating
 from dsinfer.engine.kv_cache_manager import KVCacheManager
@@ -122,6 +122,16 @@ class LLMEngine:
             config.scheduler.max_model_len or loaded.config.max_position_embeddings,
         )
         self.pool = BlockPool(self.executor.num_blocks, config.cache.enable_prefix_caching)
+        info, warning = pool_capacity_report(
+            self.pool.num_blocks,
+            self.block_size,
+            self.max_model_len,
+            config.cache.kv_cache_memory_bytes,
+            blocks_given=config.cache.num_blocks is not None,
+        )
+        logger.info("%s", info)
+        if warning:
+            logger.warning("%s", warning)
         self.kv_manager = KVCacheManager(self.pool, self.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.utilization = UtilizationMeter(

@@ -43,3 +43,20 @@ def test_context_manager_closes(tiny):
         out = llm.generate("w5", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 2
     llm.close()  # closing twice is harmless
+
+
+def test_a_pool_smaller_than_one_context_is_said_at_start_up(tiny, caplog):
+    """A pool that cannot hold one full-length sequence still serves, but says so at start-up
+    with the flag that would fix it; a pool that can says only its size."""
+    with caplog.at_level("INFO", logger="dsinfer.engine.llm_engine"):
+        LLM(str(tiny), num_blocks=4, block_size=8, max_model_len=64).close()
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1
+    assert "holds 32 tokens, fewer than the context length 64" in warned[0].getMessage()
+    assert "--num-kv-blocks 8" in warned[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dsinfer.engine.llm_engine"):
+        LLM(str(tiny), num_blocks=8, block_size=8, max_model_len=64).close()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pool:")]
+    assert said == ["KV pool: 64 tokens = 1.0 sequences at the context length 64"]
