@@ -4,8 +4,10 @@
 // is another: MLA's projections and its absorbed decode over the latent cache, then a dense
 // MLP (the first layers) or the router, the routed experts and the shared experts. Eager, a
 // decode step calls ~40 operators a layer from Python, and the routed experts a loop of them.
-// Here the same kernels and ATen operators run in the same order from one C++ call, so the
-// program's hidden states equal the eager fused path's bit for bit
+// Here the same kernels and ATen operators run in the same order from one C++ call (the
+// routed experts' sorting by expert and weighted sum run as host loops with the operators'
+// arithmetic: ProgramMoE::routed_experts), so the program's hidden states equal the eager
+// fused path's bit for bit
 // (tests/models/test_step_program.py). The arithmetic of each piece is its Python's:
 // models/deepseek_v2.py (MLA.forward), layers/attention/fused_cpu.py (the absorbed decode),
 // layers/moe.py (route, RoutedExperts.forward, SharedExperts).
@@ -45,10 +47,65 @@ struct ProgramRouter {
   }
 };
 
+// row += round(src · w), each product rounded to T before the addition, as a multiply and
+// then a scatter-add operator compute it. No FMA contraction here (GCC contracts a float
+// multiply feeding an addition at -O3): it would skip the product's rounding in fp32.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void weighted_add_row(T* row, const T* src, float w, int64_t n) {
+  for (int64_t h = 0; h < n; ++h) {
+    const T product = static_cast<T>(static_cast<float>(src[h]) * w);
+    row[h] = static_cast<T>(static_cast<float>(row[h]) + static_cast<float>(product));
+  }
+}
+
 struct ProgramMoE {
   ProgramRouter router;
   std::vector<ProgramLinear> w13, w2;  // per routed expert: [gate | up] and down
   std::vector<ProgramLinear> shared;   // the shared experts' gate|up and down (or none)
+
+  // RoutedExperts.forward's arithmetic with its bookkeeping on the host: a decode step routes
+  // a few rows, and the tensor operators that sort them by expert (argsort, bincount, a
+  // gather, the weights reordered, a multiply, a scatter) cost ~5-10 µs each whatever their
+  // size, more than a row's own weighting. The assignments are walked in the same order — by
+  // expert, and within an expert by row — and each row is weighted and added as those
+  // operators do it: y · w with w rounded to x's dtype first (RoutedExperts multiplies by
+  // weights.to(dtype)), the product rounded, then added into the row (from zeros) and rounded,
+  // one expert after another. x [T, hidden], weights [T, k] fp32, ids [T, k].
+  at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const {
+    const int64_t t = ids.size(0), k = ids.size(1), experts = static_cast<int64_t>(w13.size());
+    const int64_t hidden = x.size(1);
+    const at::Tensor ids_c = ids.contiguous(), w_c = weights.contiguous();
+    const int64_t* idp = ids_c.const_data_ptr<int64_t>();
+    const float* wp = w_c.const_data_ptr<float>();
+    // Per expert, its assignments' rows and weights in flat order (row · k + slot): a stable
+    // sort by expert, as RoutedExperts' argsort.
+    std::vector<std::vector<int64_t>> rows(experts);
+    std::vector<std::vector<float>> ws(experts);
+    for (int64_t i = 0; i < t * k; ++i) {
+      const int64_t e = idp[i];
+      TORCH_CHECK(e >= 0 && e < experts, "step program: expert id ", e, " out of range");
+      rows[e].push_back(i / k);
+      ws[e].push_back(wp[i]);
+    }
+    at::Tensor out = at::zeros({t, hidden}, x.options());  // contiguous, whatever x's strides
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t n = static_cast<int64_t>(rows[e].size());
+      if (n == 0) continue;
+      const at::Tensor xs = n == 1 ? x.narrow(0, rows[e][0], 1).contiguous()
+                                   : x.index_select(0, at::tensor(rows[e], ids.options()));
+      const at::Tensor y = apply_linear(w2[e], gated(apply_linear(w13[e], xs))).contiguous();  // [n, hidden]
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "moe_weighted_add", [&] {
+        using T = scalar_t;
+        const T* yp = y.const_data_ptr<T>();
+        T* op = out.data_ptr<T>();
+        for (int64_t i = 0; i < n; ++i) {
+          const float w = static_cast<float>(static_cast<T>(ws[e][i]));  // weights.to(dtype)
+          weighted_add_row(op + rows[e][i] * hidden, yp + i * hidden, w, hidden);
+        }
+      });
+    }
+    return out;
+  }
 
   // RoutedExperts.forward + SharedExperts: x [T, hidden] → [T, hidden].
   at::Tensor forward(const at::Tensor& x) const {
@@ -60,23 +117,7 @@ struct ProgramMoE {
     at::Tensor routed;
     {
       DSINFER_RANGE("dsinfer::moe_routed_experts");
-      const int64_t k = ids.size(1), experts = static_cast<int64_t>(w13.size());
-      const at::Tensor flat = ids.reshape(-1);
-      const at::Tensor order = at::argsort(flat, /*stable=*/true, /*dim=*/-1);  // [T·k]
-      const at::Tensor token_of = at::div(order, k, "floor");
-      const at::Tensor counts = at::bincount(flat, {}, experts);  // the host reads them
-      const at::Tensor xs = x.index({token_of});                  // [T·k, hidden] by expert
-      at::Tensor out = at::empty_like(xs);
-      const int64_t* cp = counts.const_data_ptr<int64_t>();
-      for (int64_t e = 0, start = 0; e < experts; ++e) {
-        const int64_t n = cp[e];
-        if (n == 0) continue;
-        const at::Tensor h = gated(apply_linear(w13[e], xs.narrow(0, start, n).contiguous()));
-        out.narrow(0, start, n).copy_(apply_linear(w2[e], h));
-        start += n;
-      }
-      out = out * weights.reshape(-1).index({order}).unsqueeze(1).to(out.scalar_type());
-      routed = at::zeros_like(x).index_add_(0, token_of, out);
+      routed = routed_experts(x, weights, ids);
     }
     if (shared.empty()) return routed;
     DSINFER_RANGE("dsinfer::moe_shared_experts");
