@@ -171,10 +171,11 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV pool sizing: `num_blocks` wins over the memory budget when given."""
+    """Paged KV pool sizing: `num_blocks` wins over the memory budget when given; a budget of
+    None sizes the pool for the model (worker/kv_cache.py, `auto_kv_budget`)."""
 
     block_size: int = 16
-    kv_cache_memory_bytes: int = 512 * 1024**2
+    kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
 
@@ -188,6 +189,11 @@ class SchedulerConfig:
     # half as large (16 streams on SmolLM2: peak RSS 842 → 812 MiB, the same tok/s, measured).
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
+
+
+def context_length(model: ModelConfig, max_model_len: int | None) -> int:
+    """The context length an engine serves: the one asked for, at most the model's."""
+    return min(model.max_position_embeddings, max_model_len or model.max_position_embeddings)
 
 
 @dataclass(frozen=True, slots=True)

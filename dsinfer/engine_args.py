@@ -89,8 +89,10 @@ class EngineArgs:
         ),
     )
     kv_cache_memory: str | int = field(
-        default="512MiB", metadata=_opt("KV pool budget, preallocated at start-up, e.g. 512MiB")
-    )
+        default="auto",
+        metadata=_opt("KV pool budget, preallocated at start-up, e.g. 512MiB; auto: two "
+                      "sequences at the context length, 256 MiB to 4 GiB"),
+    )  # fmt: skip
     num_blocks: int | None = field(
         default=None,
         metadata=_opt("KV blocks (overrides the budget)", flag="--num-kv-blocks", type=int),
@@ -198,7 +200,9 @@ class EngineArgs:
             master_port=self.master_port,
             cache=CacheConfig(
                 block_size=self.block_size,
-                kv_cache_memory_bytes=parse_memory(self.kv_cache_memory),
+                kv_cache_memory_bytes=(
+                    None if self.kv_cache_memory == "auto" else parse_memory(self.kv_cache_memory)
+                ),
                 num_blocks=self.num_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),

@@ -45,7 +45,7 @@ def test_llm_names_what_it_does_not_know():
 
     with pytest.raises(ValueError, match="unknown argument.*kv_cache_mem;.*kv_cache_memory"):
         LLM("smollm2", kv_cache_mem="1GiB")
-    assert "kv_cache_memory ('512MiB'): KV pool budget" in LLM.__doc__
+    assert "kv_cache_memory ('auto'): KV pool budget" in LLM.__doc__
 
 
 def test_every_command_prints_its_help(capsys):

@@ -43,6 +43,19 @@ def native_bf16_matmul(device: torch.device) -> bool:
     return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
 
 
+def total_memory(device: torch.device) -> int:
+    """Bytes of memory the device has in all: the host's RAM for the CPU, the card's for an
+    accelerator. A figure that is the same on every rank of one kind of machine (unlike what is
+    free now), so a budget derived from it gives every rank the same KV block count."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "npu":
+        return int(torch.npu.get_device_properties(device).total_memory)  # type: ignore[attr-defined]
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued kernels; a no-op on CPU."""
     if device.type == "cuda":

@@ -105,15 +105,15 @@ def pool_capacity_report(
     num_blocks: int,
     block_size: int,
     max_model_len: int,
-    budget_bytes: int,
-    blocks_given: bool,
+    budget_bytes: int | None,
 ) -> tuple[str, str | None]:
     """What the pool holds, said at start-up: (an info line, a warning or None).
 
     The warning is for a pool smaller than one sequence at the model's context length: the
     engine still serves, but refuses a longer prompt and cuts an answer short where its
     sequence outgrows the whole pool (scheduler.py). `budget_bytes` is the budget the blocks
-    were cut from (per rank); the advice scales it by the blocks a full sequence needs."""
+    were cut from (per rank), None where the blocks were given; the advice scales it by the
+    blocks a full sequence needs."""
     tokens = num_blocks * block_size
     info = (
         f"KV pool: {tokens:,} tokens = {tokens / max_model_len:.1f} sequences at the context "
@@ -122,7 +122,7 @@ def pool_capacity_report(
     if tokens >= max_model_len:
         return info, None
     needed = -(-max_model_len // block_size)  # blocks for one full-length sequence
-    if blocks_given:
+    if budget_bytes is None:
         advice = f"--num-kv-blocks {needed}"
     else:
         mib = -(-budget_bytes * needed // num_blocks // 2**20)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dsinfer.artifact.source import load_model_source
 from dsinfer.artifact.verify import TrustPolicy
-from dsinfer.config import EngineConfig
+from dsinfer.config import EngineConfig, context_length
 from dsinfer.device import resolve_device
 from dsinfer.device.host_memory import release_freed_memory
 from dsinfer.engine.block_pool import BlockPool, pool_capacity_report
@@ -117,17 +117,14 @@ class LLMEngine:
         self.kv_bytes_per_token = loaded.config.kv_bytes_per_token(loaded.dtype)
         logger.info("KV cache: %d bytes per token (%s)", self.kv_bytes_per_token, loaded.dtype)
         self.block_size = config.cache.block_size
-        self.max_model_len = min(
-            loaded.config.max_position_embeddings,
-            config.scheduler.max_model_len or loaded.config.max_position_embeddings,
-        )
+        self.max_model_len = context_length(loaded.config, config.scheduler.max_model_len)
         self.pool = BlockPool(self.executor.num_blocks, config.cache.enable_prefix_caching)
+        budget = self.executor.runner.kv_budget
         info, warning = pool_capacity_report(
             self.pool.num_blocks,
             self.block_size,
             self.max_model_len,
-            config.cache.kv_cache_memory_bytes,
-            blocks_given=config.cache.num_blocks is not None,
+            budget.nbytes if budget else None,
         )
         logger.info("%s", info)
         if warning:

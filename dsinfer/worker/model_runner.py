@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from dsinfer.config import CacheConfig, EngineConfig
+from dsinfer.config import CacheConfig, EngineConfig, context_length
 from dsinfer.device.graphs import graphs_unavailable
 from dsinfer.device.host_memory import gather, huge_pages_mode, release_freed_memory
 from dsinfer.distributed.parallel_state import parallel_state
@@ -45,12 +45,15 @@ class ModelRunner:
         decode_graphs: bool | None = None,
         ngram_speculation: int = 0,
         huge_pages: bool = True,
+        max_model_len: int | None = None,
     ) -> None:
         """step_program: capture the decode step (fused backend): one C++ program on the CPU,
         graphs per batch bucket on an accelerator. decode_graphs: None decides by the device
         (graphs where it records them); True records with any backend, on the CPU with eager
         graphs (how their padding is tested here); False never. huge_pages: on the CPU, the
-        weights and the KV pool live in transparent huge pages (device/host_memory.py)."""
+        weights and the KV pool live in transparent huge pages (device/host_memory.py).
+        max_model_len: the context length asked for (None: the model's), which sizes the auto
+        KV budget."""
         # The driver (rank 0) samples and keeps results; the other ranks run the same calls in
         # the same order (their parts of the collectives) and keep nothing.
         self.driver = driver
@@ -70,14 +73,16 @@ class ModelRunner:
         self.device = device
         self.block_size = cache.block_size
         graphs = self._graphs_wanted(step_program, decode_graphs)
-        self.kv_caches, self.num_blocks = allocate_kv_cache(
+        pool = allocate_kv_cache(
             loaded.config,
             cache,
             loaded.dtype,
             device,
+            context_length(loaded.config, max_model_len),
             reserved_blocks=1 if graphs else 0,
             huge_pages=huge_pages,
         )
+        self.kv_caches, self.num_blocks, self.kv_budget = pool.caches, pool.num_blocks, pool.budget
         self.graphs: DecodeGraphs | None = None
         if graphs:
             self._capture_graphs(max_num_seqs)
@@ -113,6 +118,7 @@ class ModelRunner:
             max_num_seqs=config.scheduler.max_num_seqs,
             ngram_speculation=config.ngram_speculation,
             huge_pages=config.huge_pages,
+            max_model_len=config.scheduler.max_model_len,
         )
 
     def _gather_weights(self) -> None:

@@ -122,9 +122,11 @@ def test_kv_pool_in_an_arena_is_zeroed_and_shaped_as_before(mla: bool) -> None:
         extra=mla_extra if mla else {},
     )
     cache = CacheConfig(block_size=16, num_blocks=10)
-    want, n = allocate_kv_cache(cfg, cache, torch.bfloat16, torch.device("cpu"))
-    got, m = allocate_kv_cache(cfg, cache, torch.bfloat16, torch.device("cpu"), huge_pages=True)
-    assert n == m
+    cpu = torch.device("cpu")
+    plain = allocate_kv_cache(cfg, cache, torch.bfloat16, cpu, 256)
+    huge = allocate_kv_cache(cfg, cache, torch.bfloat16, cpu, 256, huge_pages=True)
+    want, got = plain.caches, huge.caches
+    assert plain.num_blocks == huge.num_blocks
     assert [[t.shape for t in layer] for layer in got] == [
         [t.shape for t in layer] for layer in want
     ]

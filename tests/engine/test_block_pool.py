@@ -111,15 +111,18 @@ def test_revived_cached_blocks_count_against_free():
 def test_capacity_report_advises_the_budget_for_one_full_sequence():
     from dsinfer.engine.block_pool import pool_capacity_report
 
-    # DeepSeek-LLM-7B's shape in bf16: 491,520 B a token, 16-token blocks; the default
-    # 512 MiB budget gives 68 blocks = 1,088 tokens against a 4,096-token context.
+    # DeepSeek-LLM-7B's shape in bf16: 491,520 B a token, 16-token blocks; a 512 MiB budget
+    # (the default before the auto one) gives 68 blocks = 1,088 tokens against 4,096.
     per_block = 491_520 * 16
     budget = 512 * 2**20
     blocks = budget // per_block
-    info, warning = pool_capacity_report(blocks, 16, 4096, budget, blocks_given=False)
+    info, warning = pool_capacity_report(blocks, 16, 4096, budget)
     assert info == "KV pool: 1,088 tokens = 0.3 sequences at the context length 4,096"
     assert warning is not None
     assert "--kv-cache-memory 1928MiB" in warning  # 256 blocks' worth of the budget, rounded up
     assert 256 * per_block <= 1928 * 2**20
     assert "--max-model-len to 1,088" in warning
-    assert pool_capacity_report(300, 16, 4096, budget, blocks_given=False)[1] is None
+    assert pool_capacity_report(300, 16, 4096, budget)[1] is None
+    # Blocks given, not a budget: the advice is a block count.
+    warning = pool_capacity_report(blocks, 16, 4096, None)[1]
+    assert warning is not None and "--num-kv-blocks 256" in warning
