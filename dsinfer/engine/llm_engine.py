@@ -13,7 +13,7 @@ from dsinfer.artifact.source import load_model_source
 from dsinfer.artifact.verify import TrustPolicy
 from dsinfer.config import EngineConfig, context_length
 from dsinfer.device import resolve_device
-from dsinfer.device.host_memory import release_freed_memory
+from dsinfer.device.host_memory import loading_heap
 from dsinfer.engine.block_pool import BlockPool, pool_capacity_report
 from dsinfer.engine.detokenizer import IncrementalDetokenizer
 from dsinfer.engine.fault_isolation import RequestFailure, execute_isolating
@@ -90,6 +90,13 @@ def load_for_config(config: EngineConfig) -> LoadedModel:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        # Start-up's large storages (weights being quantised, repacked and gathered) in
+        # mappings of their own, not as holes in the heap (device/host_memory.py); the heap's
+        # free pages go back to the OS at the end.
+        with loading_heap():
+            self._start(config)
+
+    def _start(self, config: EngineConfig) -> None:
         self.config = config
         device = resolve_device(config.device)
         # Measured before the model loads: its buffers never add to the process's peak memory.
@@ -138,9 +145,6 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
-        # Start-up's transients (the tokenizer's parse, the GEMM probe) are freed by now but
-        # glibc keeps their pages: give them back before serving (−16 MiB resident, SmolLM2).
-        release_freed_memory()
 
     # -- requests -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

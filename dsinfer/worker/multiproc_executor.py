@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from dsinfer.device import distributed_backend, rank_device
+from dsinfer.device.host_memory import loading_heap
 from dsinfer.distributed.comm import broadcast_object
 from dsinfer.distributed.parallel_state import (
     check_grid,
@@ -82,8 +83,9 @@ def _join(rank: int, config: Any, port: int, device: torch.device) -> torch.devi
 
 def _worker(rank: int, port: int, config: Any, load: Callable, device: str) -> None:
     dev = _join(rank, config, port, torch.device(device))
-    loaded = load(config)
-    runner = ModelRunner.for_engine(loaded, config, dev, driver=False)
+    with loading_heap():  # as the engine's own rank loads (device/host_memory.py)
+        loaded = load(config)
+        runner = ModelRunner.for_engine(loaded, config, dev, driver=False)
     while True:
         out = broadcast_object(None)
         if out is None:

@@ -177,3 +177,47 @@ def test_gather_copies_only_the_bytes_the_tensors_use() -> None:
     assert last.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
     assert last.untyped_storage().nbytes() == 1024
     assert last.data_ptr() % 64 == 0 and inner.data_ptr() - first.data_ptr() == 512
+
+
+_HEAP_PROBE = """
+import ctypes, torch
+from dsinfer.device.host_memory import loading_heap
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+
+def mapped_by(nbytes):  # bytes of blocks glibc mapped by themselves while a storage lived
+    before = libc.mallinfo2().hblkhd
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    grown = libc.mallinfo2().hblkhd - before
+    del t
+    return grown
+
+with loading_heap():
+    with loading_heap():
+        inner = mapped_by(4 << 20)
+    outer = mapped_by(4 << 20)
+print(inner, outer, mapped_by(4 << 20), mapped_by(64 << 20))
+"""
+
+
+def test_loading_maps_large_storages_and_serving_keeps_them_on_the_heap() -> None:
+    """Under loading_heap a 4 MiB storage is a mapping of its own (freed, it leaves no hole in
+    the heap); after it, the serving thresholds put the same storage on the heap (no mapping,
+    no page faults per step). Overlapping loads restore the serving values with the last. In a
+    fresh process: glibc serves a request from a free heap block of the size before it maps,
+    and this test process's heap has those."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _HEAP_PROBE], capture_output=True, text=True, check=True
+    ).stdout.split()
+    inner, outer, serving, huge = (int(x) for x in out)
+    assert inner >= 4 << 20 and outer >= 4 << 20
+    assert serving == 0
+    assert huge >= 64 << 20  # past the serving threshold: mapped, as glibc's own would
