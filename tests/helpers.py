@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from dsinfer.config import ModelConfig
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.sampling import SamplingParams
 from dsinfer.worker.input_batch import build_model_input
@@ -15,6 +16,27 @@ from dsinfer.worker.step_io import ScheduledSeq
 
 
 @torch.inference_mode()
+def tiny_model_config(num_layers: int = 2, max_len: int = 64, mla: bool = False) -> ModelConfig:
+    """A tiny Llama-shaped ModelConfig (or MLA: DeepSeek's latent cache) for pool-level tests
+    that build no model."""
+    extra: dict = {}
+    if mla:
+        extra = {"kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16}
+        extra |= {"v_head_dim": 16, "q_lora_rank": None}
+    return ModelConfig(
+        architecture="x",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_len,
+        extra=extra,
+    )
+
+
 def full_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits [T, V] at every position of `ids`, computed through the paged cache path."""
     bs = engine.block_size

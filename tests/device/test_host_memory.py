@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsinfer.config import CacheConfig, ModelConfig
+from dsinfer.config import CacheConfig
 from dsinfer.device.host_memory import HUGE_PAGE, HugePageArena, gather, huge_pages_mode
 from dsinfer.worker.kv_cache import allocate_kv_cache
+from tests.helpers import tiny_model_config
 
 
 def _status_kib(key: str) -> int:
@@ -107,20 +108,7 @@ def test_arena_refuses_what_does_not_fit() -> None:
 
 @pytest.mark.parametrize("mla", [False, True])
 def test_kv_pool_in_an_arena_is_zeroed_and_shaped_as_before(mla: bool) -> None:
-    mla_extra = {"kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16}
-    mla_extra |= {"v_head_dim": 16, "q_lora_rank": None}
-    cfg = ModelConfig(
-        architecture="x",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        extra=mla_extra if mla else {},
-    )
+    cfg = tiny_model_config(num_layers=3, max_len=256, mla=mla)
     cache = CacheConfig(block_size=16, num_blocks=10)
     cpu = torch.device("cpu")
     plain = allocate_kv_cache(cfg, cache, torch.bfloat16, cpu, 256)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dsinfer.config import CacheConfig, ModelConfig
+from dsinfer.config import CacheConfig
 from dsinfer.worker.kv_cache import (
     AUTO_CEILING,
     AUTO_FLOOR,
@@ -13,6 +13,7 @@ from dsinfer.worker.kv_cache import (
     auto_kv_budget,
     kv_budget,
 )
+from tests.helpers import tiny_model_config
 
 GIB = 2**30
 MACHINE = 24 * GIB  # the test machines' RAM
@@ -41,13 +42,13 @@ def test_a_small_cache_gets_the_floor_and_a_long_context_the_ceiling():
 
 
 def test_a_given_budget_wins():
-    cfg = _tiny_config()
+    cfg = tiny_model_config()
     given = kv_budget(cfg, CacheConfig(kv_cache_memory_bytes=3 * 2**20), torch.float32, 64, MACHINE)
     assert (given.nbytes, given.reason) == (3 * 2**20, "--kv-cache-memory")
 
 
 def test_the_pool_is_cut_from_the_auto_budget():
-    cfg = _tiny_config()
+    cfg = tiny_model_config()
     pool = allocate_kv_cache(
         cfg, CacheConfig(block_size=16), torch.float32, torch.device("cpu"), 64
     )
@@ -59,17 +60,3 @@ def test_the_pool_is_cut_from_the_auto_budget():
         cfg, CacheConfig(block_size=16, num_blocks=5), torch.float32, torch.device("cpu"), 64
     )
     assert (given.num_blocks, given.budget) == (5, None)
-
-
-def _tiny_config() -> ModelConfig:
-    return ModelConfig(
-        architecture="x",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-    )
