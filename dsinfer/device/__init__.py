@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -51,8 +52,6 @@ def total_memory(device: torch.device) -> int:
         return int(torch.cuda.get_device_properties(device).total_memory)
     if device.type == "npu":
         return int(torch.npu.get_device_properties(device).total_memory)  # type: ignore[attr-defined]
-    import os
-
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 

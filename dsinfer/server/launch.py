@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 import uvicorn
 
 from dsinfer.config import EngineConfig
+from dsinfer.device.host_memory import limit_malloc_arenas
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine_args import DEFAULT_MODEL
 from dsinfer.models.loader import EMBEDDED_MODELS
@@ -113,20 +113,6 @@ def _exit_after_shutdown() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-_M_ARENA_MAX = -8  # glibc's mallopt parameter
-
-
-def limit_malloc_arenas(arenas: int = 1) -> None:
-    """glibc gives each thread that allocates (the engine's, the event loop's, the bitmask
-    filler's) an arena of its own, and memory freed in one is not reused by another: measured,
-    one arena keeps a serving process ~18 MiB smaller. Before any thread starts; a no-op
-    where the C library is not glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas)
-    except (OSError, AttributeError):
-        pass
 
 
 def serve(opts: ServeOptions, config_for: ConfigFor) -> int:
