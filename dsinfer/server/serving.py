@@ -138,6 +138,9 @@ class Timing:
         self.start = time.perf_counter()
         self.first: float | None = None
         self.last: float | None = None
+        # The per-token series, looked up once: `labels()` costs more than the observation.
+        self._itl = metrics.itl.labels(*self.labels)
+        self._generated = metrics.generation_tokens.labels(*self.labels)
 
     def tokens(self, n: int) -> None:
         if n <= 0:
@@ -147,9 +150,9 @@ class Timing:
             self.first = now - self.start
             self.metrics.ttft.labels(*self.labels).observe(self.first)
         else:
-            self.metrics.itl.labels(*self.labels).observe((now - self.last) / n)
+            self._itl.observe((now - self.last) / n)
         self.last = now
-        self.metrics.generation_tokens.labels(*self.labels).inc(n)
+        self._generated.inc(n)
 
     def done(self, choices: Sequence[ChoiceState] = ()) -> None:
         """The request ended: its latency, each choice's finish reason, its log record."""

@@ -209,3 +209,46 @@ def test_loading_maps_large_storages_and_serving_keeps_them_on_the_heap() -> Non
     assert inner >= 4 << 20 and outer >= 4 << 20
     assert serving == 0
     assert huge >= 64 << 20  # past the serving threshold: mapped, as glibc's own would
+
+
+_ARENA_PROBE = r"""
+import ctypes, os, re, tempfile, threading
+import torch
+from dsinfer.device.host_memory import limit_malloc_arenas
+torch.set_num_threads(2)
+limit_malloc_arenas()  # one a forward thread (2) and two more: 4
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.fopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+# Twelve threads allocate at the same moment: glibc gives each a fresh arena while it may.
+barrier = threading.Barrier(12)
+def grab():
+    barrier.wait()
+    for _ in range(200):
+        libc.free(libc.malloc(8192))
+threads = [threading.Thread(target=grab) for _ in range(12)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+path = tempfile.mktemp()
+fp = libc.fopen(path.encode(), b"w")
+libc.malloc_info(0, fp)
+libc.fclose(fp)
+print(len(re.findall(r'<heap nr="\d+">', open(path).read())))
+os.unlink(path)
+"""
+
+
+def test_a_server_keeps_one_malloc_arena_a_forward_thread_and_two_more() -> None:
+    """Twelve threads allocating at once get at most 4 arenas (two forward threads + 2), not
+    glibc's 8 a core; and more than one, so the forward's threads do not queue on one lock."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _ARENA_PROBE], capture_output=True, text=True, check=True
+    ).stdout
+    assert 2 <= int(out) <= 4, out
