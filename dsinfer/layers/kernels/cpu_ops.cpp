@@ -5,6 +5,13 @@
 // nest that reads its inputs once, keeps intermediates in fp32 registers, and rounds once to
 // the activation dtype. Activations may be float32 or bfloat16; statistics, softmax and
 // accumulations are always fp32.
+//
+// The scratch rule: a buffer used inside a parallel region is `thread_local`, kept across calls
+// and sized with assign/clear (which keep its capacity), never allocated per call. An
+// allocation there takes the lock of a malloc arena, which the team's threads share wherever
+// glibc has few arenas (MALLOC_ARENA_MAX=1 or 2, as container images often set). Measured with
+// one arena, one stream of SmolLM2: rope_decode_attention 6.1 → 18.3 µs a call,
+// paged_prefill_attention 13.8 → 30.7 µs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -1131,8 +1138,11 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
       return Task{b, task % KV, chunk, chunks, t_begin, len, bt + b * nbt + t_begin / bs};
     };
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q(G * D), k(D), acc(G * D), buf(16 * D), denom(G), scores;
-      std::vector<c10::BFloat16> pb;
+      // Each thread's scratch, kept across calls (the scratch rule, top of the file).
+      thread_local std::vector<float> q, k, acc, buf, denom, scores;
+      thread_local std::vector<c10::BFloat16> pb;
+      q.assign(G * D, 0.f), k.assign(D, 0.f), acc.assign(G * D, 0.f), buf.assign(16 * D, 0.f);
+      denom.assign(G, 0.f), scores.clear(), pb.clear();
       NextTaskPages ahead;
       for (int64_t task = begin; task < end; ++task) {
         const auto [b, kvh, chunk, chunks, t_begin, len, table] = locate(task);
@@ -1192,7 +1202,8 @@ at::Tensor rope_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, c
     // Merge the chunks of each split (sequence, KV head): rescale each chunk's sums from its
     // own max to the overall one, in chunk order.
     at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(D);
+      thread_local std::vector<float> acc;  // the scratch rule
+      acc.assign(D, 0.f);
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / KV, kvh = i % KV, chunks = first_chunk[b + 1] - first_chunk[b];
         if (chunks == 1) continue;
@@ -1502,7 +1513,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     // tasks go heaviest first, dealt to the threads back and forth (0, 1, 1, 0, 0, 1, ...).
     const int64_t tasks = KV * tiles, threads = std::min<int64_t>(at::get_num_threads(), tasks);
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> kbuf(16 * D), vbuf(16 * D), qt(G * D * W), ot(G * D * W);
+      thread_local std::vector<float> kbuf, vbuf, qt, ot;  // the scratch rule
+      kbuf.assign(16 * D, 0.f), vbuf.assign(16 * D, 0.f), qt.assign(G * D * W, 0.f), ot.assign(G * D * W, 0.f);
       for (int64_t task = 0; task < tasks; ++task) {
         const int64_t lap = task % (2 * threads), owner = lap < threads ? lap : 2 * threads - 1 - lap;
         if (owner < begin || owner >= end) continue;
@@ -1762,7 +1774,8 @@ at::Tensor mla_decode_attention(const at::Tensor& q_lat, const at::Tensor& q_pe,
     float* op = out.data_ptr<float>();
     const float sc = static_cast<float>(scale);
     at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, q(per * W), c(W);
+      thread_local std::vector<float> scores, q, c;  // the scratch rule
+      scores.clear(), q.assign(per * W, 0.f), c.assign(W, 0.f);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / splits, h0 = (task % splits) * per;
         const int64_t h1 = std::min(H, h0 + per), len = lens[b], nh = h1 - h0;
@@ -2243,7 +2256,8 @@ struct I16Rows {
     const bool bf16 = x.scalar_type() == at::kBFloat16;
     const void* xp = x.const_data_ptr();
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-      std::vector<float> v(K);
+      thread_local std::vector<float> v;  // the scratch rule
+      v.assign(K, 0.f);
       for (int64_t m = m0; m < m1; ++m) d[m] = round_to_int<int16_t>(xp, bf16, m * K, K, v.data(), q.get() + m * K);
     });
   }
@@ -3442,7 +3456,8 @@ std::tuple<at::Tensor, at::Tensor> softmax_top_candidates(const at::Tensor& logi
   float* pp = probs.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<std::pair<float, int64_t>> cand;
+    thread_local std::vector<std::pair<float, int64_t>> cand;  // the scratch rule
+    cand.clear();
     for (int64_t r = r0; r < r1; ++r) {
       const float* l = lp + r * V;
       const float t = tp[r];
@@ -3580,7 +3595,8 @@ at::Tensor sample_full_rows(const at::Tensor& logits, const at::Tensor& temperat
   const double* up = u.data_ptr<double>();
   int64_t* ip = ids.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<double> blocks((V + kBlock - 1) / kBlock);
+    thread_local std::vector<double> blocks;  // the scratch rule
+    blocks.assign((V + kBlock - 1) / kBlock, 0.0);
     float weights[kBlock];  // the chosen block's, computed once for its sum and its scan
     for (int64_t r = r0; r < r1; ++r) {
       const float* l = lp + r * V;
@@ -3679,7 +3695,8 @@ at::Tensor draw_candidates(const at::Tensor& probs, const at::Tensor& top_k, con
   const double* up = u.data_ptr<double>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
-    std::vector<float> q(n);
+    thread_local std::vector<float> q;  // the scratch rule
+    q.assign(n, 0.f);
     for (int64_t r = r0; r < r1; ++r) {
       const float* p = pp + r * n;
       const int64_t k = std::min(kp[r], n);
