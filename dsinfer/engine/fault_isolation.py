@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dsinfer.structured.spec import UnsatisfiableConstraint
 from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -23,14 +24,20 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RequestFailure:
-    """Why one request was failed by the engine; `error_id` ties the client's 500 to the log."""
+    """Why one request was failed by the engine; `error_id` ties the client's error to the log.
+    `client_error`: the request's own input made it fail (its constraint admits no text: the
+    server answers 400 with the message), rather than the engine (500)."""
 
     error_id: str
     message: str
+    client_error: bool = False
 
     @classmethod
     def of(cls, exc: BaseException) -> RequestFailure:
-        return cls(f"err-{uuid.uuid4().hex[:16]}", f"{type(exc).__name__}: {exc}")
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        if isinstance(exc, UnsatisfiableConstraint):
+            return cls(error_id, str(exc), client_error=True)
+        return cls(error_id, f"{type(exc).__name__}: {exc}")
 
 
 def _subset(out: SchedulerOutput, req_ids: set[str]) -> SchedulerOutput:
@@ -96,6 +103,9 @@ def execute_isolating(
 def _failed(out: SchedulerOutput, exc: BaseException) -> dict[str, RequestFailure]:
     (seq,) = out.seqs
     failure = RequestFailure.of(exc)
+    if failure.client_error:  # the request's input, not a fault: no traceback
+        logger.info("request %s ended (error id %s): %s", seq.req_id, failure.error_id, exc)
+        return {seq.req_id: failure}
     logger.error(
         "request %s failed inside the engine step (error id %s); the other requests go on",
         seq.req_id,

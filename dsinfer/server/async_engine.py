@@ -50,9 +50,10 @@ class EngineRestartingError(EngineDeadError):
 class RequestFailedError(RuntimeError):
     """This request alone failed inside the engine; `error_id` is in the server log."""
 
-    def __init__(self, error_id: str, message: str) -> None:
+    def __init__(self, error_id: str, message: str, client_error: bool = False) -> None:
         super().__init__(message)
         self.error_id = error_id
+        self.client_error = client_error  # the request's input is at fault: a 400
 
 
 @dataclass
@@ -225,7 +226,8 @@ class AsyncEngine:
             if stream is None:
                 continue
             if isinstance(item, RequestOutput) and item.error is not None:
-                item = RequestFailedError(item.error.error_id, item.error.message)
+                err = item.error
+                item = RequestFailedError(err.error_id, err.message, err.client_error)
             stream.started = True
             if isinstance(item, BaseException) or item.finished:
                 self._streams.pop(rid, None)  # counted as pending no longer, even if never read

@@ -271,6 +271,8 @@ def as_api_error(exc: BaseException) -> BaseException:
     (the app's last handler makes them a 500 and logs them)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, RequestFailedError) and exc.client_error:
+        return APIError(400, str(exc), code="unsatisfiable_constraint")
     if isinstance(exc, RequestFailedError):
         return APIError(
             500,

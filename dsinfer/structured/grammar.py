@@ -78,6 +78,22 @@ class GrammarCompiler:
             return self._compiler
 
     def _compile(self, spec: StructuredOutputs) -> Any:
+        compiled = self._compile_text(spec)
+        if not self._admits_a_token(compiled):
+            raise ValueError(
+                f"the {spec.kind} constraint admits no text: no token can begin an output "
+                "that satisfies it (a schema that refers only to itself, for example)"
+            )
+        return compiled
+
+    def _admits_a_token(self, compiled: Any) -> bool:
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
+
+    def _compile_text(self, spec: StructuredOutputs) -> Any:
         compiler = self._xgrammar()
         kind = spec.kind
         try:

@@ -13,6 +13,11 @@ from typing import Any
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+class UnsatisfiableConstraint(ValueError):
+    """A request's constraint allows no token where its output stands: no text satisfies it
+    from there. The request's fault (HTTP 400), raised while it is decoded."""
+
+
 def only_one(values: dict[str, Any], subject: str) -> tuple[str, Any]:
     """The one constraint set among `values` (kind → value, None: unset), or ValueError naming
     what was given. `subject` starts the message ("structured_outputs takes")."""

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from dsinfer.structured.spec import UnsatisfiableConstraint
+
 
 class GrammarState:
     """A request's position in its grammar; advanced by every token the request emits."""
@@ -20,12 +22,19 @@ class GrammarState:
     def __init__(self, matcher: Any, keep: torch.Tensor | None = None) -> None:
         self.matcher = matcher
         self.num_accepted = 0
+        self.dead_end = False  # the last fill allowed no token: no text satisfies it from here
         # [W] int32 word mask ANDed into every bitmask row (tokens the grammar admits that
         # the format does not: control bytes in JSON), or None.
         self.keep = keep
 
     def accept(self, token: int) -> None:
         if not self.matcher.accept_token(token):
+            if self.dead_end:  # the constraint's fault: the request's 400
+                raise UnsatisfiableConstraint(
+                    f"the constraint admits no token after {self.num_accepted} token(s) of "
+                    "output: no text satisfies it from there (a required part whose schema "
+                    "refers only to itself, for example); fix the schema or grammar"
+                )
             # The mask allowed only grammar tokens, so this is a bug, not bad input: the
             # request fails alone (engine/fault_isolation.py) rather than emit invalid output.
             raise RuntimeError(f"token {token} is not allowed by the request's grammar")
@@ -36,6 +45,7 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
         if self.keep is not None:
             bitmask[row] &= self.keep
+        self.dead_end = not bool(bitmask[row].any()) and not self.matcher.is_terminated()
 
     @property
     def finished(self) -> bool:

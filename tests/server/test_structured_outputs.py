@@ -168,6 +168,7 @@ def test_logprobs_are_those_of_the_constrained_distribution(url):
         ({"guided_json": {"type": "string", "format": "credit-card"}}, "guided_json", "credit-card"),
         ({"guided_json": {"not": {"type": "string"}}}, "guided_json", "'not'"),
         ({"guided_regex": "(unclosed"}, "guided_regex", "parenthesis"),
+        ({"guided_json": {"$ref": "#"}}, "guided_json", "admits no text"),
         ({"guided_grammar": "root ::= missing"}, "guided_grammar", "missing"),
         ({"guided_json": "{not json"}, None, "not valid JSON"),
         ({"guided_choice": ["a"], "guided_regex": "b"}, None, "both constrain"),
@@ -188,6 +189,31 @@ def test_bad_constraints_are_400_naming_the_field(url, extra, param, says):
         assert says in err["message"], err
     ok = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200  # and the server keeps serving
+
+
+# Admits `{"a":` and then nothing: "a" is required and its schema is only itself.
+DEAD_END = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+
+
+def test_a_constraint_that_dead_ends_is_the_requests_400_not_a_500(url):
+    """A schema that compiles and admits a first token but no complete text ends its request
+    where the grammar allows nothing more: a 400 naming the constraint (an error event in a
+    stream), counted as the request's fault; the engine serves on."""
+    body = {"prompt": "x", "max_tokens": 16, "guided_json": DEAD_END}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "unsatisfiable_constraint", err
+    assert "admits no token after" in err["message"], err
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60
+    ) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "unsatisfiable_constraint", events[-1]
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    assert health["engines"]["tiny"]["restarts"] == 0, health
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
 
 
 def test_text_format_is_no_constraint(url):
