@@ -79,11 +79,12 @@ def limit_malloc_arenas(arenas: int | None = None) -> None:
     """Bound glibc's malloc arenas (it allows 8 a core) to one a thread of the forward's team,
     one for the event loop and one for the other threads. Before any thread starts.
 
-    Why not fewer: the CPU kernels allocate scratch inside their parallel regions, and threads
-    that share an arena take turns on its lock there. Measured with one arena (two cores):
-    the decode forward 1.70 → 2.15 ms, one served stream 5-10% slower, for no smaller peak RSS
-    (798-811 against 796-813 MiB under 16 streams; the ~18 MiB that one arena once saved went
-    with loading_heap). Why a bound at all: on a large machine glibc's default lets each of a
+    Why not fewer: threads that share an arena take turns on its lock whenever they allocate
+    inside a parallel region. Our kernels no longer do (the scratch rule in cpu_ops.cpp), but
+    torch's operators may. Measured with one arena (two cores), before that rule: the decode
+    forward 1.70 → 2.15 ms, one served stream 5-10% slower, for no smaller peak RSS (798-811
+    against 796-813 MiB under 16 streams; the ~18 MiB one arena once saved went with
+    loading_heap). Why a bound at all: on a large machine glibc's default lets each of a
     server's many threads keep an arena of freed memory."""
     _mallopt(_M_ARENA_MAX, arenas if arenas is not None else torch.get_num_threads() + 2)
 
