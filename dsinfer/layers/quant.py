@@ -58,10 +58,14 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
 # and loses on narrow ones (call overhead dominates).
 _FUSED_INT8_MIN_OUT = 8192
 _FUSED_INT8_MAX_ROWS = 64
-# Rows from which widening an int4 weight to bf16 for one dense GEMM beats torch's packed
-# kernel, whose time grows linearly past ~4 rows (576 → 3072: 4.1 ms packed vs 1.8 ms dense
-# at 160 rows); set from the measurement in docs/backends.md.
-_INT4_DENSE_FROM_ROWS = 48
+# Rows from which widening an int4 weight to bf16 for one dense GEMM beats the few-rows kernel
+# (int4_bf16_linear, or torch's packed kernel, whose time grows linearly past ~4 rows). Only
+# where bf16 GEMMs are native (AVX-512 BF16). Hot in cache the widening wins from ~256 rows;
+# in a model's prefill it also pays for widening cold weights into a fresh buffer, and the
+# kernel is as fast up to 512 rows: measured on the AVX-512 machine, SmolLM2 one 128-token
+# prompt 57 → 42 ms and DeepSeek-V2-Lite one 64-token prompt 732 → 493 ms against 48, the same
+# at 512 rows and more (docs/benchmarks.md, session 26). 512: a full default prefill chunk.
+_INT4_DENSE_FROM_ROWS = 512
 _QUANTISE_ROWS = 4096  # rows quantised at a time (bounds the float temporaries at load)
 
 
