@@ -631,6 +631,36 @@ def test_mla_projections_read_kv_b_as_the_reference_multiplies(
     torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+@pytest.mark.parametrize("heads,nope,v,lora", [(16, 128, 128, 512), (3, 8, 12, 48)])
+def test_mla_prefill_expansion_reads_kv_b_as_the_reference_multiplies(
+    weight_dtype: torch.dtype, tokens: int, heads: int, nope: int, v: int, lora: int
+) -> None:
+    """MLA's prefill: C latents expanded to every head's keys and values from kv_b_proj's
+    weight in its own dtype equal the reference's einsums over an fp32 copy; the fused
+    backend's _expand returns them in the reference's [H, C, ·] layout."""
+    from dsinfer.layers.attention.fused_cpu import FusedCpuMLAAttention
+
+    if not torch.ops.dsinfer.mla_projections_supported(lora):
+        pytest.skip("neither AVX-512 nor AVX2: MLA's prefill keeps the reference's einsums")
+    g = torch.Generator().manual_seed(11)
+    kv_b = (torch.randn(heads * (nope + v), lora, generator=g) * 0.05).to(weight_dtype)
+    w = kv_b.float().view(heads, nope + v, lora)
+    c = torch.randn(tokens, lora, generator=g)
+    want_k = torch.einsum("cl,hnl->hcn", c, w[:, :nope])
+    want_v = torch.einsum("cl,hvl->hcv", c, w[:, nope:])
+    got = torch.ops.dsinfer.mla_expand_latent(c, kv_b, heads)  # [C, H, nope + v]
+    assert got.shape == (tokens, heads, nope + v) and got.dtype == torch.float32
+    torch.testing.assert_close(got[..., :nope].transpose(0, 1), want_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[..., nope:].transpose(0, 1), want_v, atol=1e-5, rtol=1e-5)
+    attn = FusedCpuMLAAttention.__new__(FusedCpuMLAAttention)
+    attn.h, attn.nope, attn.lora = heads, nope, lora
+    k_nope, values = attn._expand(c, kv_b)
+    torch.testing.assert_close(k_nope, want_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(values, want_v, atol=1e-5, rtol=1e-5)
+
+
 def test_tied_embedding_reads_the_quantised_heads_rows() -> None:
     """A tied vocabulary is kept once: after the fused backend repacks the int8 head, the
     embedding drops its float table and looks rows up in the head (w · s, as the head

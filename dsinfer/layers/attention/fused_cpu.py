@@ -156,15 +156,15 @@ class FusedCpuMLAAttention(MLAPagedAttention):
             self._lora_supported = bool(torch.ops.dsinfer.mla_projections_supported(self.lora))
         return kv_b.dtype in _KERNEL_DTYPES and kv_b.is_contiguous() and self._lora_supported
 
-    def _split_kv_b(self, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # No fp32 copy kept: decode reads kv_b itself, and a prefill chunk widens it for its
-        # einsums and lets it go (resident: −178 MiB measured for DeepSeek-V2-Lite, ~2 GiB at
-        # V3's shapes; ~0.3 ms a layer on steps with prefill rows). The same values as a kept
-        # copy.
+    def _expand(self, c: torch.Tensor, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # One kernel reads kv_b as it is, where the reference widens all of it to fp32 (and
+        # keeps that copy: +178 MiB resident for DeepSeek-V2-Lite, ~2 GiB at V3's shapes) for
+        # two einsums. Decode reads kv_b itself too, so the fused backend keeps no copy.
         if not self.reads_kv_b(kv_b):
-            return super()._split_kv_b(kv_b)
-        w = kv_b.float().view(self.h, self.nope + self.v, self.lora)
-        return w[:, : self.nope].contiguous(), w[:, self.nope :].contiguous()
+            return super()._expand(c, kv_b)
+        kv = torch.ops.dsinfer.mla_expand_latent(c.contiguous(), kv_b, self.h)  # [C, H, nope + v]
+        kv = kv.transpose(0, 1)  # [H, C, nope + v]
+        return kv[..., : self.nope], kv[..., self.nope :]
 
     def forward_rope(
         self,

@@ -74,8 +74,6 @@ class MLAPagedAttention(AttentionBackend):
         if nd:
             decode = self._absorbed if self.absorb_decode else self._naive_decode
             out[:nd] = decode(q_nope[:nd], q_pe[:nd], cache, kv_b, meta)
-        if meta.prefills:
-            w_uk, w_uv = self._split_kv_b(kv_b)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.ctx_len == p.q_len:
@@ -83,9 +81,9 @@ class MLAPagedAttention(AttentionBackend):
             else:
                 ctx = cache.view(cache.shape[0], -1).index_select(0, p.block_table)
                 ctx = ctx.view(-1, self.lora + self.rope)[: p.ctx_len]
-            out[rows] = self._naive(
-                q_nope[rows], q_pe[rows], ctx, w_uk, w_uv, p.ctx_len - p.q_len
-            ).to(out.dtype)
+            out[rows] = self._naive(q_nope[rows], q_pe[rows], ctx, kv_b, p.ctx_len - p.q_len).to(
+                out.dtype
+            )
         return out
 
     def _split_kv_b(self, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,11 +97,16 @@ class MLAPagedAttention(AttentionBackend):
             self._kv_b_key = key
         return self._kv_b_split
 
-    def _naive(self, q_nope, q_pe, ctx, w_uk, w_uv, num_before: int) -> torch.Tensor:  # noqa: ANN001
+    def _expand(self, c: torch.Tensor, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents c [C, lora] fp32 → every head's keys without rotary [H, C, nope] and values
+        [H, C, v], fp32."""
+        w_uk, w_uv = self._split_kv_b(kv_b)
+        return torch.einsum("cl,hnl->hcn", c, w_uk), torch.einsum("cl,hvl->hcv", c, w_uv)
+
+    def _naive(self, q_nope, q_pe, ctx, kv_b, num_before: int) -> torch.Tensor:  # noqa: ANN001
         """One sequence: q [Q, H, ·], ctx [C, lora + rope] → [Q, H, v]."""
         c, k_pe = ctx[:, : self.lora].float(), ctx[:, self.lora :].float()
-        k_nope = torch.einsum("cl,hnl->hcn", c, w_uk)  # [H, C, nope]
-        v = torch.einsum("cl,hvl->hcv", c, w_uv)  # [H, C, v]
+        k_nope, v = self._expand(c, kv_b)  # [H, C, nope], [H, C, v]
         k = torch.cat([k_nope, k_pe.unsqueeze(0).expand(self.h, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1)  # [H, Q, nope + rope]
         ql, cl = q.shape[1], k.shape[1]
@@ -140,13 +143,12 @@ class MLAPagedAttention(AttentionBackend):
 
     def _naive_decode(self, q_nope, q_pe, cache, kv_b, meta) -> torch.Tensor:  # noqa: ANN001
         """Reference for the absorbed path: expand every cached latent, then attend."""
-        w_uk, w_uv = self._split_kv_b(kv_b)
         ctx = self._gather_decode(cache, meta)
         assert meta.decode_mask is not None
         lengths = (~meta.decode_mask.view(ctx.shape[0], -1)).sum(dim=1).tolist()
         outs = [
             self._naive(
-                q_nope[i : i + 1], q_pe[i : i + 1], ctx[i, : lengths[i]], w_uk, w_uv, lengths[i] - 1
+                q_nope[i : i + 1], q_pe[i : i + 1], ctx[i, : lengths[i]], kv_b, lengths[i] - 1
             )
             for i in range(ctx.shape[0])
         ]
