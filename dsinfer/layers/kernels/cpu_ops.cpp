@@ -2034,6 +2034,30 @@ at::Tensor mla_absorb_query(const at::Tensor& q_nope, const at::Tensor& kv_b, in
   return out;
 }
 
+// out[b, h, :] = x_bh · W_hᵀ for b < B and every head h, W_h = rows [skip, skip + width) of
+// head h's nope + v rows of kv_b (read as it is, bf16 or fp32); x_bh at xp + b · x_row +
+// h · x_head (x_head 0: one row for every head). → [B, H, width] fp32.
+at::Tensor expand_heads(const float* xp, int64_t x_row, int64_t x_head, int64_t B, int64_t H, int64_t lora,
+                        const at::Tensor& kv_b, int64_t skip, int64_t width, const at::TensorOptions& options) {
+  const int64_t per_head = kv_b.size(0) / H;
+  auto out = at::empty({B, H, width}, options);
+  float* op = out.data_ptr<float>();
+  const auto run = [&](const auto* wp) {
+    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h) {
+        const auto* w = wp + (h * per_head + skip) * lora;  // [width, lora]
+        in_row_chunks<8>(B, [&](int64_t b0, auto rows) {
+          expand_rows<decltype(rows)::value>(xp + b0 * x_row + h * x_head, x_row, w, width, lora,
+                                             op + (b0 * H + h) * width, H * width);
+        });
+      }
+    });
+  };
+  if (kv_b.scalar_type() == at::kBFloat16) run(kv_b.data_ptr<c10::BFloat16>());
+  else run(kv_b.data_ptr<float>());
+  return out;
+}
+
 // o_lat [B, H, lora] fp32 → [B, H, v] fp32: o_lat · W_UVᵀ per head.
 at::Tensor mla_expand_output(const at::Tensor& o_lat, const at::Tensor& kv_b, int64_t nope) {
   TORCH_CHECK(o_lat.dim() == 3 && o_lat.is_contiguous() && o_lat.scalar_type() == at::kFloat,
@@ -2044,23 +2068,7 @@ at::Tensor mla_expand_output(const at::Tensor& o_lat, const at::Tensor& kv_b, in
   TORCH_CHECK(v > 0, "kv_b has no value rows");
   check_kv_b(kv_b, H, nope, v);
   TORCH_CHECK(mla_projections_supported(lora), "mla_expand_output: lora must be a multiple of 16 (AVX-512) or 8 (AVX2)");
-  auto out = at::empty({B, H, v}, o_lat.options());
-  const float* xp = o_lat.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const auto run = [&](const auto* wp) {
-    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
-      for (int64_t h = h0; h < h1; ++h) {
-        const auto* w = wp + (h * (nope + v) + nope) * lora;  // W_UV: [v, lora]
-        in_row_chunks<8>(B, [&](int64_t b0, auto rows) {
-          expand_rows<decltype(rows)::value>(xp + (b0 * H + h) * lora, H * lora, w, v, lora,
-                                             op + (b0 * H + h) * v, H * v);
-        });
-      }
-    });
-  };
-  if (kv_b.scalar_type() == at::kBFloat16) run(kv_b.data_ptr<c10::BFloat16>());
-  else run(kv_b.data_ptr<float>());
-  return out;
+  return expand_heads(o_lat.data_ptr<float>(), H * lora, lora, B, H, lora, kv_b, nope, v, o_lat.options());
 }
 
 // MLA's prefill: the latents of C tokens expanded to every head's keys (without rotary) and
@@ -2076,22 +2084,7 @@ at::Tensor mla_expand_latent(const at::Tensor& c, const at::Tensor& kv_b, int64_
   const int64_t width = kv_b.size(0) / H;  // nope + v
   check_kv_b(kv_b, H, 0, width);
   TORCH_CHECK(mla_projections_supported(lora), "mla_expand_latent: lora must be a multiple of 16 (AVX-512) or 8 (AVX2)");
-  auto out = at::empty({C, H, width}, c.options());
-  const float* xp = c.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const auto run = [&](const auto* wp) {
-    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
-      for (int64_t h = h0; h < h1; ++h) {
-        const auto* w = wp + h * width * lora;  // head h's [nope + v, lora]
-        in_row_chunks<8>(C, [&](int64_t b0, auto rows) {
-          expand_rows<decltype(rows)::value>(xp + b0 * lora, lora, w, width, lora, op + (b0 * H + h) * width, H * width);
-        });
-      }
-    });
-  };
-  if (kv_b.scalar_type() == at::kBFloat16) run(kv_b.data_ptr<c10::BFloat16>());
-  else run(kv_b.data_ptr<float>());
-  return out;
+  return expand_heads(c.data_ptr<float>(), lora, 0, C, H, lora, kv_b, 0, width, c.options());
 }
 
 // out[m] = sum_k x[m, k] * w[k] for m < M: each weight is widened once for all rows (M is a
