@@ -58,14 +58,16 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
 # and loses on narrow ones (call overhead dominates).
 _FUSED_INT8_MIN_OUT = 8192
 _FUSED_INT8_MAX_ROWS = 64
-# Rows from which widening an int4 weight to bf16 for one dense GEMM beats the few-rows kernel
-# (int4_bf16_linear, or torch's packed kernel, whose time grows linearly past ~4 rows). Only
-# where bf16 GEMMs are native (AVX-512 BF16). Hot in cache the widening wins from ~256 rows;
-# in a model's prefill it also pays for widening cold weights into a fresh buffer, and the
-# kernel is as fast up to 512 rows: measured on the AVX-512 machine, SmolLM2 one 128-token
-# prompt 57 → 42 ms and DeepSeek-V2-Lite one 64-token prompt 732 → 493 ms against 48, the same
-# at 512 rows and more (docs/benchmarks.md, session 26). 512: a full default prefill chunk.
+# Rows from which widening an int4 weight to bf16 for one dense GEMM beats the few-rows kernel;
+# only where bf16 GEMMs are native (AVX-512 BF16). Our layout's kernel (int4_bf16_linear): hot
+# in cache the widening wins from ~256 rows, but in a model's prefill it also widens cold
+# weights into a fresh buffer, and the kernel is as fast up to 512 rows (SmolLM2, one 128-token
+# prompt 57 → 42 ms, DeepSeek-V2-Lite one 64-token prompt 732 → 493 ms against 48; the same
+# from 512 rows: docs/benchmarks.md, session 26). 512: a full default prefill chunk.
 _INT4_DENSE_FROM_ROWS = 512
+# torch's packed layout (group sizes our kernels do not take): its kernel's time grows
+# linearly past ~4 rows (576 → 3072: 4.1 ms packed vs 1.8 ms dense at 160 rows).
+_INT4_PACKED_DENSE_FROM_ROWS = 48
 _QUANTISE_ROWS = 4096  # rows quantised at a time (bounds the float temporaries at load)
 
 
@@ -96,7 +98,9 @@ def _int4_kernels(
         and torch.ops.dsinfer.int4_dense_supported()
         and (torch.ops.dsinfer.int8_vnni_supported() if repack else int4_pack_layout() == BLOCKS64)
     )
-    return (_INT4_DENSE_FROM_ROWS if dense else 0), repack
+    if not dense:
+        return 0, repack
+    return (_INT4_DENSE_FROM_ROWS if repack else _INT4_PACKED_DENSE_FROM_ROWS), repack
 
 
 def int8_mm(
