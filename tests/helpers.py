@@ -15,7 +15,6 @@ from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.step_io import ScheduledSeq
 
 
-@torch.inference_mode()
 def tiny_model_config(num_layers: int = 2, max_len: int = 64, mla: bool = False) -> ModelConfig:
     """A tiny Llama-shaped ModelConfig (or MLA: DeepSeek's latent cache) for pool-level tests
     that build no model."""
@@ -37,6 +36,7 @@ def tiny_model_config(num_layers: int = 2, max_len: int = 64, mla: bool = False)
     )
 
 
+@torch.inference_mode()
 def full_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     """Logits [T, V] at every position of `ids`, computed through the paged cache path."""
     bs = engine.block_size
