@@ -661,6 +661,29 @@ def test_mla_prefill_expansion_reads_kv_b_as_the_reference_multiplies(
     torch.testing.assert_close(values, want_v, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "queries,before", [(1, 0), (5, 0), (128, 0), (300, 0), (1, 40), (200, 77), (129, 256)]
+)
+def test_mla_prefill_attends_in_query_chunks_as_the_reference_sdpa(
+    queries: int, before: int
+) -> None:
+    """The fused MLA prefill attends in chunks of 128 queries, each against the keys up to its
+    last query with only its diagonal block masked; it equals the reference's SDPA (causal, or
+    masked after cached tokens) across chunk edges, short chunks and a chunk after a cache."""
+    from dsinfer.layers.attention.fused_cpu import FusedCpuMLAAttention
+    from dsinfer.layers.attention.mla import MLAPagedAttention
+
+    heads, nope, rope, v, lora = 4, 16, 8, 12, 32
+    g = torch.Generator().manual_seed(queries * 1000 + before)
+    q = torch.randn(heads, queries, nope + rope, generator=g)
+    k = torch.randn(heads, before + queries, nope + rope, generator=g)
+    values = torch.randn(heads, before + queries, v, generator=g)
+    want = MLAPagedAttention(heads, nope, rope, v, lora, 0.4)._attend(q, k, values, before)
+    got = FusedCpuMLAAttention(heads, nope, rope, v, lora, 0.4)._attend(q, k, values, before)
+    assert got.shape == (heads, queries, v)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_tied_embedding_reads_the_quantised_heads_rows() -> None:
     """A tied vocabulary is kept once: after the fused backend repacks the int8 head, the
     embedding drops its float table and looks rows up in the head (w · s, as the head

@@ -31,6 +31,34 @@ from dsinfer.layers.rotary import StepRope
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
+# MLA prefill attends in query chunks of this many rows (see attend_in_query_chunks);
+# _FUTURE[i, j] is True where key j of a chunk's diagonal block is later than its query i.
+_QUERY_CHUNK = 128
+_FUTURE = torch.ones(_QUERY_CHUNK, _QUERY_CHUNK, dtype=torch.bool).triu_(1)
+
+
+def attend_in_query_chunks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_before: int, scale: float
+) -> torch.Tensor:
+    """Causal attention, fp32: q [H, Q, D], k [H, C, D], v [H, C, Dv], query i at position
+    num_before + i → [H, Q, Dv]. Each chunk of 128 queries multiplies only the keys up to its
+    last query (two batched GEMMs over the heads) and masks only its diagonal block.
+
+    Why not torch's SDPA: with MLA's unequal head sizes (192 for q·k, 128 for v) it takes the
+    math path, which scores and masks the whole square; the flash kernel (v padded to 192)
+    is no faster on this CPU. Measured alone, 16 heads, fp32: 512 tokens 21.6 → 9.0 ms,
+    2,048 tokens 394 → 121 ms, 1,024 after 1,024 cached 199 → 88 ms; the same products
+    (max |Δ| ~4e-6 against SDPA: only the sums' order differs)."""
+    ql = q.shape[1]
+    out = []
+    for q0 in range(0, ql, _QUERY_CHUNK):
+        n = min(_QUERY_CHUNK, ql - q0)
+        keys = num_before + q0 + n  # this chunk's last query sees keys [0, keys)
+        s = torch.bmm(q[:, q0 : q0 + n], k[:, :keys].transpose(1, 2)).mul_(scale)  # [H, n, keys]
+        s[:, :, keys - n :].masked_fill_(_FUTURE[:n, :n], float("-inf"))
+        out.append(torch.bmm(torch.softmax(s, dim=-1), v[:, :keys]))  # [H, n, Dv]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
 
 @register_attention("fused", "cpu", "mha")
 class FusedCpuPagedAttention(TorchPagedAttention):
@@ -165,6 +193,11 @@ class FusedCpuMLAAttention(MLAPagedAttention):
         kv = torch.ops.dsinfer.mla_expand_latent(c.contiguous(), kv_b, self.h)  # [C, H, nope + v]
         kv = kv.transpose(0, 1)  # [H, C, nope + v]
         return kv[..., : self.nope], kv[..., self.nope :]
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_before: int
+    ) -> torch.Tensor:
+        return attend_in_query_chunks(q, k, v, num_before, self.scale)
 
     def forward_rope(
         self,

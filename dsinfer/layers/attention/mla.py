@@ -109,14 +109,19 @@ class MLAPagedAttention(AttentionBackend):
         k_nope, v = self._expand(c, kv_b)  # [H, C, nope], [H, C, v]
         k = torch.cat([k_nope, k_pe.unsqueeze(0).expand(self.h, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1)  # [H, Q, nope + rope]
+        return self._attend(q, k, v, num_before).transpose(0, 1)  # [Q, H, v]
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_before: int
+    ) -> torch.Tensor:
+        """Causal attention of one sequence in fp32: q [H, Q, nope + rope], k [H, C, nope +
+        rope], v [H, C, v], query i at position num_before + i (C = num_before + Q) → [H, Q, v]."""
         ql, cl = q.shape[1], k.shape[1]
         if num_before == 0:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            qpos = torch.arange(num_before, num_before + ql, device=q.device).unsqueeze(1)
-            mask = torch.arange(cl, device=q.device).unsqueeze(0) <= qpos
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        return o.transpose(0, 1)  # [Q, H, v]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        qpos = torch.arange(num_before, num_before + ql, device=q.device).unsqueeze(1)
+        mask = torch.arange(cl, device=q.device).unsqueeze(0) <= qpos
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
     def _gather_decode(self, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         bt = meta.decode_block_tables
