@@ -44,6 +44,18 @@ def native_bf16_matmul(device: torch.device) -> bool:
     return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
 
 
+def grouped_mm_in_graphs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM (`F.grouped_mm`: every routed expert in one call, the
+    groups' ends in a device tensor) runs here without reading those ends back to the host,
+    so that a captured step graph can hold it: CUDA's kernel, bf16, compute capability 9.0 and
+    later. Elsewhere torch loops over the groups on the host (a sync at every call)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return hasattr(torch.nn.functional, "grouped_mm") and torch.cuda.get_device_capability(
+        device
+    ) >= (9, 0)
+
+
 def total_memory(device: torch.device) -> int:
     """Bytes of memory the device has in all: the host's RAM for the CPU, the card's for an
     accelerator. A figure that is the same on every rank of one kind of machine (unlike what is

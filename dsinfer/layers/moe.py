@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsinfer.device import grouped_mm_in_graphs
 from dsinfer.distributed.comm import all_reduce_stage
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.activation import silu_and_mul
@@ -60,6 +61,13 @@ class ExpertsMethod:
         """Expert e's w13 or w2 as the decode-step program multiplies it, exactly as `matmul`
         does; None when the program has no kernel for this format (the step stays eager)."""
         return ProgramOperand(ProgramOperand.DENSE, getattr(experts, f"w{which}")[e])
+
+    def stacked(self, experts: nn.Module, which: str) -> torch.Tensor | None:
+        """Every local expert's w13 or w2 as one float [E, out, in] stack for a grouped GEMM,
+        or None where the format keeps no such stack (the quantised methods, which inherit
+        this: their codes are integers and their kernels take one expert at a time)."""
+        w = getattr(experts, f"w{which}", None)
+        return w if w is not None and w.is_floating_point() and w.dim() == 3 else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +125,8 @@ class RoutedExperts(nn.Module):
     every expert with its intermediate dimension cut (gate/up rows, down columns), as a
     column → row parallel MLP. Either way the output is a partial sum the stage adds up."""
 
-    # Tokens are grouped per expert with counts read on the host: no step graph can record it
-    # (worker/decode_graphs.py).
+    # Per expert, tokens are grouped with counts read on the host: no step graph can record
+    # that (worker/decode_graphs.py). The grouped GEMM (use_grouped_mm) reads nothing back.
     graph_safe = False
 
     def __init__(self, cfg: MoEConfig) -> None:
@@ -144,6 +152,7 @@ class RoutedExperts(nn.Module):
         self.method = ExpertsMethod()
         self.method.create_weights(self, len(owned), 2 * i, h)
         self.act = silu_and_mul  # the backend's kernel after use_kernels
+        self._grouped = False  # use_grouped_mm
         # Checkpoints store each expert's gate/up/down separately: shard = (kind, expert).
         self.w13.shards = [(k, x) for x in owned for k in ("gate", "up")]  # type: ignore[attr-defined]
         self.w2.shards = [("down", x) for x in owned]  # type: ignore[attr-defined]
@@ -197,6 +206,27 @@ class RoutedExperts(nn.Module):
     def use_kernels(self, kernels: Kernels, device_type: str) -> None:
         self.method.use_kernels(self, kernels, device_type)
         self.act = kernels.silu_and_mul
+        w13 = self.method.stacked(self, "13")
+        self.use_grouped_mm(
+            kernels.name == "fused"
+            and w13 is not None
+            and grouped_mm_in_graphs(w13.device, w13.dtype)
+            and self.grouped_mm_layout_ok()
+        )
+
+    def grouped_mm_layout_ok(self) -> bool:
+        """What the grouped GEMM kernel takes besides its device and dtype: this rank holds
+        every expert (under expert parallel the loop skips the others' tokens), and rows of
+        the hidden and intermediate sizes start on 16-byte boundaries (multiples of 8 bf16)."""
+        return len(self.owned) == self.num_experts and self.hidden % 8 == 0 == self.intermediate % 8
+
+    def use_grouped_mm(self, on: bool) -> None:
+        """Route every step through two grouped GEMMs (all experts in one call each, the
+        groups' ends a device tensor) instead of a loop over the experts that received tokens.
+        Nothing is read back to the host, so a decode step with routed experts can be
+        captured as a graph: `graph_safe` follows."""
+        self._grouped = on
+        self.graph_safe = on
 
     def set_method(self, method: ExpertsMethod) -> None:
         """Swap the weight format (artifact load, compile): drops the old tensors."""
@@ -211,6 +241,8 @@ class RoutedExperts(nn.Module):
 
         Assignments are sorted by expert so each expert runs one matmul over all its tokens; the
         loop is over experts that received tokens, never over tokens."""
+        if self._grouped:
+            return self._forward_grouped(x, weights, ids)
         t, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # [T*k]
@@ -230,6 +262,28 @@ class RoutedExperts(nn.Module):
                 continue
             h = self.act(self.method.matmul(self, xs[seg], "13", e - self.first))  # [n, I]
             out[seg] = self.method.matmul(self, h, "2", e - self.first)
+        out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+    def _forward_grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """forward's arithmetic with fixed shapes and no host read: the assignments sorted by
+        expert as there, each expert's count by a scatter-add (bincount's size depends on the
+        data), and the groups' ends handed to the grouped GEMM as a device tensor."""
+        w13, w2 = self.method.stacked(self, "13"), self.method.stacked(self, "2")
+        assert w13 is not None and w2 is not None
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # [T*k]
+        token_of = order // k
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)  # [E]: group e is rows [ends[e-1], ends[e])
+        xs = x[token_of]  # [T*k, H], grouped by expert
+        # w13 [E, 2I, H] → [E, H, 2I] (a transposed view: the kernel's column-major operand).
+        h = self.act(F.grouped_mm(xs, w13.transpose(1, 2), offs=ends))  # [T*k, I]
+        out = F.grouped_mm(h, w2.transpose(1, 2), offs=ends)  # [T*k, H]
         out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 

@@ -107,3 +107,71 @@ def test_bad_moe_config_is_explained():
         MoEConfig(hidden_size=8, intermediate_size=4, num_experts=6, top_k=2, n_group=4)
     with pytest.raises(ValueError, match="scoring_func"):
         MoEConfig(hidden_size=8, intermediate_size=4, num_experts=8, top_k=2, scoring="relu")
+
+
+def _experts(dtype: torch.dtype, hidden: int = 32, inter: int = 16, num: int = 6):  # noqa: ANN202
+    from dsinfer.layers.moe import RoutedExperts
+
+    cfg = MoEConfig(hidden_size=hidden, intermediate_size=inter, num_experts=num, top_k=2)
+    experts = RoutedExperts(cfg).to(dtype)
+    g = torch.Generator().manual_seed(4)
+    for p in experts.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    return experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [[0, 1], [2, 1], [1, 0], [5, 2], [0, 5]],  # experts 3 and 4 get no tokens
+        [[4, 3]],  # one row (a decode step)
+        [[5, 0], [5, 0], [5, 0]],  # every token to the same two
+    ],
+)
+def test_grouped_experts_equal_the_per_expert_loop(dtype: torch.dtype, ids) -> None:  # noqa: ANN001
+    """The graph-safe path (two grouped GEMMs, counts by scatter-add, no host read) computes
+    what the loop over experts computes, bit for bit on this CPU (torch's grouped GEMM is a
+    per-group GEMM here; on CUDA it is one kernel), experts without tokens included."""
+    experts = _experts(dtype)
+    g = torch.Generator().manual_seed(len(ids))
+    x = torch.randn(len(ids), 32, generator=g).to(dtype)
+    weights = torch.rand(len(ids), 2, generator=g)
+    ids_t = torch.tensor(ids)
+    with torch.inference_mode():
+        want = experts(x, weights, ids_t)
+        experts.use_grouped_mm(True)
+        assert experts.graph_safe
+        got = experts(x, weights, ids_t)
+    assert torch.equal(got, want)
+
+
+def test_fused_backend_takes_grouped_experts_only_where_the_device_holds_them_in_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """use_kernels picks the grouped GEMM on the fused backend where the device layer says the
+    kernel reads nothing back (CUDA bf16, compute capability ≥ 9.0; never this CPU), and only
+    for a layout the kernel takes: every expert on this rank, 16-byte rows."""
+    from dsinfer.layers import moe
+    from dsinfer.layers.kernels import FUSED_CPU, REFERENCE
+    from dsinfer.layers.quant import experts_method
+
+    experts = _experts(torch.bfloat16)
+    experts.use_kernels(FUSED_CPU, "cpu")
+    assert not experts.graph_safe  # this CPU: torch loops over the groups on the host
+    monkeypatch.setattr(moe, "grouped_mm_in_graphs", lambda device, dtype: True)
+    experts.use_kernels(REFERENCE, "cpu")
+    assert not experts.graph_safe  # the reference backend keeps the loop (the oracle)
+    experts.use_kernels(FUSED_CPU, "cpu")
+    assert experts.graph_safe
+    odd = _experts(torch.bfloat16, hidden=36)  # rows of 72 bytes
+    odd.use_kernels(FUSED_CPU, "cpu")
+    assert not odd.graph_safe
+    experts.owned = range(0, 3)  # expert parallel: half the experts on this rank
+    experts.use_kernels(FUSED_CPU, "cpu")
+    assert not experts.graph_safe
+    quantised = _experts(torch.bfloat16)
+    quantised.set_method(experts_method("int8", 32))  # integer codes: no float stack
+    assert quantised.method.stacked(quantised, "13") is None
+    quantised.use_kernels(FUSED_CPU, "cpu")
+    assert not quantised.graph_safe

@@ -253,14 +253,35 @@ def tiny_mla(tmp_path_factory):  # noqa: ANN201
     return save_and_load(model, tmp_path_factory.mktemp("mla"), "reference", block_size=BS)
 
 
-@pytest.mark.parametrize("which", ["tiny", "tiny_mla"])
+@pytest.fixture(scope="module")
+def tiny_moe_grouped(tmp_path_factory):  # noqa: ANN201
+    """A tiny DeepSeek-V2 with routed experts (layers 1-2) switched to the grouped GEMM, as
+    the fused backend does on a GPU whose grouped GEMM reads nothing back."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from dsinfer.layers.moe import RoutedExperts
+
+    torch.manual_seed(4)
+    cfg = DeepseekV2Config(**{**DEEPSEEK_COMMON, **DEEPSEEK_CASES["v2-lite-shape"][1]})
+    llm = save_and_load(
+        DeepseekV2ForCausalLM(cfg), tmp_path_factory.mktemp("moe"), "reference", block_size=BS
+    )
+    model = llm.engine.executor.runner.model
+    assert graph_unsafe(model) == "RoutedExperts reads data on the host"
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.use_grouped_mm(True)
+    return llm
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_mla", "tiny_moe_grouped"])
 @torch.inference_mode()
 def test_a_bucket_replays_the_same_ops_on_any_batch_and_reads_nothing_back(which, request) -> None:  # noqa: ANN001
-    """What makes a recorded graph valid, checked on the CPU (Llama's MHA and DeepSeek's MLA):
-    two steps of one bucket with different rows, lengths and blocks run the same ops on the
-    same shapes, none of which reads data back to the host; the replayed rows equal the eager
-    step's. A routed-experts model's forward does read back (which is why graph_unsafe
-    refuses it): the trace sees it."""
+    """What makes a recorded graph valid, checked on the CPU (Llama's MHA, DeepSeek's MLA, and
+    DeepSeek's routed experts through the grouped GEMM): two steps of one bucket with
+    different rows, lengths, blocks (and experts) run the same ops on the same shapes, none of
+    which reads data back to the host; the replayed rows equal the eager step's. The routed
+    experts' loop does read back (which is why graph_unsafe refuses it): the trace sees it."""
     runner = request.getfixturevalue(which).engine.executor.runner
     model, caches = runner.model, runner.kv_caches
     assert graph_unsafe(model) is None
@@ -292,12 +313,24 @@ def test_a_bucket_replays_the_same_ops_on_any_batch_and_reads_nothing_back(which
     assert not names & HOST_READS, names & HOST_READS
 
 
-def test_the_trace_sees_the_routed_experts_read_back() -> None:
+def test_the_trace_sees_the_routed_experts_read_back_and_the_grouped_gemm_not() -> None:
+    """The loop over experts reads each expert's count on the host; the grouped path runs one
+    fixed sequence of ops on fixed shapes whatever the routing, with nothing read back."""
     from dsinfer.layers.moe import MoEConfig, RoutedExperts
 
-    experts = RoutedExperts(MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2))
+    experts = RoutedExperts(MoEConfig(hidden_size=8, intermediate_size=8, num_experts=4, top_k=2))
     for p in experts.parameters():
         p.data.normal_()
+    x, weights = torch.randn(3, 8), torch.rand(3, 2)
     with torch.inference_mode(), _OpTrace() as trace:
-        experts(torch.randn(3, 8), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]]))
+        experts(x, weights, torch.tensor([[0, 1], [2, 3], [1, 2]]))
     assert {"aten::bincount", "Tensor.tolist"} <= trace.names
+    experts.use_grouped_mm(True)
+    traces = []
+    for ids in ([[0, 1], [2, 3], [1, 2]], [[3, 3], [3, 0], [0, 3]]):
+        with torch.inference_mode(), _OpTrace() as trace:
+            experts(x, weights, torch.tensor(ids))
+        traces.append(trace.ops)
+    assert traces[0] == traces[1]
+    names = {name for name, _ in traces[0]}
+    assert "aten::_grouped_mm" in names and not names & HOST_READS, names & HOST_READS

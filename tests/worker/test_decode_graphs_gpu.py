@@ -104,3 +104,44 @@ def test_smollm2_gguf_on_cuda_loads_floats_and_decodes_like_the_cpu_reference() 
     ours = gpu.generate(["The capital of France is"], GREEDY)[0].outputs[0].token_ids
     want = cpu.generate(["The capital of France is"], GREEDY)[0].outputs[0].token_ids
     assert agree_or_near_tie(cpu.engine, ids, ours, want)
+
+
+def test_routed_experts_run_inside_the_cuda_graphs(tmp_path) -> None:  # noqa: ANN001
+    """DeepSeek-V2's routed experts through torch's grouped GEMM (bf16; the kernel of compute
+    capability 9.0 and later reads nothing back): decode steps with experts are recorded as
+    graphs; replayed, they give the eager fused steps' logits; greedy tokens agree with the
+    reference backend's loop over experts (bf16 near-ties may part a sequence)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from tests.helpers import DEEPSEEK_CASES, DEEPSEEK_COMMON, write_tiny_tokenizer
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch's grouped GEMM reads its groups back below compute capability 9.0")
+    torch.manual_seed(4)
+    cfg = DeepseekV2Config(**{**DEEPSEEK_COMMON, **DEEPSEEK_CASES["v2-lite-shape"][1]})
+    DeepseekV2ForCausalLM(cfg).save_pretrained(tmp_path)
+    write_tiny_tokenizer(tmp_path)
+    fused = _llm(tmp_path, "fused", "bfloat16")
+    runner = fused.engine.executor.runner
+    assert runner.graphs is not None, "the routed experts kept the decode steps eager"
+    eager = LLM(
+        str(tmp_path),
+        device="cuda",
+        backend="fused",
+        dtype="bfloat16",
+        num_blocks=128,
+        block_size=16,
+        step_program=False,
+    )
+    for ids in _prompts((7, 40)):
+        replays = runner.graphs.replays
+        got = decode_logits(fused.engine, ids).float().cpu()
+        assert runner.graphs.replays == replays + len(ids)
+        err = (got - decode_logits(eager.engine, ids).float().cpu()).abs().max().item()
+        assert err <= 1e-3, (len(ids), err)
+    ref = _llm(tmp_path, "reference", "bfloat16")
+    prompts = [{"prompt_token_ids": p} for p in _prompts((3, 17, 33, 5, 60))]
+    ours = [o.outputs[0].token_ids for o in fused.generate(prompts, GREEDY)]
+    theirs = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY)]
+    assert sum(a == b for a, b in zip(ours, theirs, strict=True)) >= 4
+    assert_pool_clean(fused.engine)
