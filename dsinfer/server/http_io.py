@@ -150,4 +150,6 @@ def parse(model: type[BaseModel], data: Any, lenient: bool = False) -> Any:
         loc = [str(x) for x in err["loc"] if not isinstance(x, int)]
         param = loc[0] if loc else None
         where = ".".join(str(x) for x in err["loc"])
-        raise APIError(400, f"invalid '{where}': {err['msg']}", param=param) from None
+        # A rule across fields (best_of with n, tool_choice with tools) has no location.
+        subject = f"invalid '{where}'" if where else "invalid request"
+        raise APIError(400, f"{subject}: {err['msg']}", param=param) from None

@@ -334,6 +334,7 @@ def test_bad_tool_requests_are_400(url, body, says):
     r = _chat(url, **body)
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"], r.json()
+    assert "invalid ''" not in r.json()["error"]["message"]  # a rule across fields names none
 
 
 def test_tool_turns_reach_a_template_without_tools_as_text(tiny_smol):
