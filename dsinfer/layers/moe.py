@@ -239,16 +239,22 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; weights, ids: [T, k] → Σ_k weight · expert(x): [T, H].
 
-        Assignments are sorted by expert so each expert runs one matmul over all its tokens; the
-        loop is over experts that received tokens, never over tokens."""
-        if self._grouped:
-            return self._forward_grouped(x, weights, ids)
-        t, k = ids.shape
+        Assignments are sorted by expert so each expert runs one matmul over all its tokens;
+        never a loop over tokens."""
+        k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # [T*k]
         token_of = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = x[token_of]  # [T*k, H], grouped by expert
+        experts = self._grouped_experts if self._grouped else self._looped_experts
+        out = experts(xs, flat)  # [T*k, H]: each assignment through its expert
+        out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, out)
+
+    def _looped_experts(self, xs: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """xs [T*k, H] sorted by expert (flat: the unsorted expert ids) → [T*k, H]; a loop over
+        the experts that received tokens, their counts read on the host."""
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         out = torch.empty_like(xs)
         start = 0
         if len(self.owned) != self.num_experts:
@@ -262,30 +268,20 @@ class RoutedExperts(nn.Module):
                 continue
             h = self.act(self.method.matmul(self, xs[seg], "13", e - self.first))  # [n, I]
             out[seg] = self.method.matmul(self, h, "2", e - self.first)
-        out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, out)
+        return out
 
-    def _forward_grouped(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> torch.Tensor:
-        """forward's arithmetic with fixed shapes and no host read: the assignments sorted by
-        expert as there, each expert's count by a scatter-add (bincount's size depends on the
-        data), and the groups' ends handed to the grouped GEMM as a device tensor."""
+    def _grouped_experts(self, xs: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """The loop's arithmetic with fixed shapes and no host read: each expert's count by a
+        scatter-add (bincount's size depends on the data), the groups' ends handed to two
+        grouped GEMMs as a device tensor."""
         w13, w2 = self.method.stacked(self, "13"), self.method.stacked(self, "2")
         assert w13 is not None and w2 is not None
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # [T*k]
-        token_of = order // k
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=xs.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         ends = counts.cumsum(0, dtype=torch.int32)  # [E]: group e is rows [ends[e-1], ends[e])
-        xs = x[token_of]  # [T*k, H], grouped by expert
         # w13 [E, 2I, H] → [E, H, 2I] (a transposed view: the kernel's column-major operand).
         h = self.act(F.grouped_mm(xs, w13.transpose(1, 2), offs=ends))  # [T*k, I]
-        out = F.grouped_mm(h, w2.transpose(1, 2), offs=ends)  # [T*k, H]
-        out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, out)
+        return F.grouped_mm(h, w2.transpose(1, 2), offs=ends)  # [T*k, H]
 
 
 class SharedExperts(nn.Module):
