@@ -59,6 +59,14 @@ def _intra_op_threads(n: int):  # noqa: ANN202
             torch.set_num_threads(before)
 
 
+def fewest_threads_within(measured: dict[int, float], slack: float = 1.03) -> int:
+    """The fewest intra-op threads whose best step time is within `slack` of the fastest: a
+    thread that adds nothing to the step is better left to the rest of the process (HTTP,
+    detokenising, grammars)."""
+    fastest = min(measured.values())
+    return min(n for n, t in measured.items() if t <= fastest * slack)
+
+
 class StepProgram:
     """A captured decode step: `run` takes the embedded decode tokens of a decode-only step."""
 
@@ -66,6 +74,7 @@ class StepProgram:
         self._program = program
         # Intra-op threads per tuned bucket (tune_threads); none: the process's setting.
         self.threads: dict[int, int] = {}
+        self.measured_ms: dict[int, dict[int, float]] = {}  # rows → threads → best ms
 
     def threads_for(self, rows: int) -> int:
         bucket = TUNED_BUCKETS[0] if rows <= 4 else TUNED_BUCKETS[-1]
@@ -73,7 +82,7 @@ class StepProgram:
 
     @torch.inference_mode()
     def tune_threads(
-        self, hidden: int, dtype: torch.dtype, num_blocks: int, repeats: int = 3
+        self, hidden: int, dtype: torch.dtype, num_blocks: int, repeats: int = 5
     ) -> dict[int, int]:
         """Time the program per bucket with all intra-op threads and with fewer; keep the
         fewest within 3% of the fastest. Why: a thread the decode step does not need is left
@@ -94,31 +103,42 @@ class StepProgram:
             x = (torch.randn(rows, hidden, generator=g) * 0.1).to(dtype)
             tables = torch.arange(rows, dtype=torch.long)[:, None]  # a block of its own each
             lens = torch.ones(rows, dtype=torch.long)
-            measured: dict[int, float] = {}
-            for n in candidates:
-                with _intra_op_threads(n):
-                    t0 = time.perf_counter()
-                    self._program.run(x, tables, lens)  # warm
-                    # A long step (DeepSeek-V2-Lite's 27 layers: ~0.6 s at 16 rows) is timed
-                    # once: its noise is small against it, and start-up stays short.
-                    long_step = time.perf_counter() - t0 > 0.05
-                    times = []
-                    for _ in range(1 if long_step else repeats):
-                        t0 = time.perf_counter()
-                        self._program.run(x, tables, lens)
-                        times.append(time.perf_counter() - t0)
-                measured[n] = min(times)
-            # The fewest threads within 3% of the fastest: a thread that adds nothing to the
-            # step is better left to the rest of the process (HTTP, detokenising, grammars).
-            fastest = min(measured.values())
-            chosen[rows] = min(n for n, t in measured.items() if t <= fastest * 1.03)
+            args = (x, tables, lens)
+            warm = [self._timed_step(n, *args) for n in candidates]
+            # A long step (DeepSeek-V2-Lite's 27 layers: ~0.6 s at 16 rows) is timed once:
+            # its noise is small against it, and start-up stays short.
+            rounds = 1 if max(warm) > 0.05 else repeats
+            measured = dict.fromkeys(candidates, float("inf"))
+            # Rounds of every candidate in turn, not each candidate's runs together: a
+            # moment when another process holds a core (one that has just exited) then slows
+            # a round of all of them, not every run of one. Timed one candidate after the
+            # other, a server once logged {1: 1, 16: 1} right after llama-server exited and
+            # served 16 streams at 646 tok/s, where its other runs gave 880-944 (session 27).
+            for _ in range(rounds):
+                for n in candidates:
+                    measured[n] = min(measured[n], self._timed_step(n, *args))
+            chosen[rows] = fewest_threads_within(measured)
+            self.measured_ms[rows] = {n: round(t * 1e3, 2) for n, t in measured.items()}
         self.threads = chosen
         return chosen
+
+    def _timed_step(
+        self, threads: int, x: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+    ) -> float:
+        """Seconds of one program run on `threads` intra-op threads."""
+        with _intra_op_threads(threads):
+            t0 = time.perf_counter()
+            self._program.run(x, tables, lens)
+            return time.perf_counter() - t0
 
     def tuned(self, hidden: int, dtype: torch.dtype, num_blocks: int) -> StepProgram:
         """This program with its threads per bucket measured (tune_threads) and logged."""
         threads = self.tune_threads(hidden, dtype, num_blocks)
-        logger.info("step program: intra-op threads by decode rows %s (measured)", threads)
+        logger.info(
+            "step program: intra-op threads by decode rows %s (measured, best ms by threads: %s)",
+            threads,
+            self.measured_ms,
+        )
         return self
 
     @staticmethod
