@@ -300,3 +300,14 @@ def decode_metadata(lengths: list[int], tables: list[list[int]], block_size: int
         prefills=(),
         decode_seq_lens=seq_lens,
     )
+
+
+def run_fresh_python(source: str) -> str:
+    """Run `source` in a fresh interpreter (a new process's heap, threads and OpenMP pools);
+    its stdout."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-c", source], capture_output=True, text=True, check=True
+    ).stdout

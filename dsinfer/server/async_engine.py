@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dsinfer.device.host_threads import release_openmp_pool
 from dsinfer.engine.core import EngineCore
 from dsinfer.engine.llm_engine import EngineStats
 from dsinfer.engine.outputs import RequestOutput
@@ -266,6 +267,10 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
+                # Idle: this thread's OpenMP workers go, so that another engine of this
+                # server (a second model or version) is the only pool while it steps
+                # (device/host_threads.py); the next step starts a pool again (~50 µs).
+                release_openmp_pool()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 self.engine.step()  # flush finished ids to the runner while idle

@@ -15,6 +15,7 @@ import uvicorn
 
 from dsinfer.config import EngineConfig
 from dsinfer.device.host_memory import limit_malloc_arenas
+from dsinfer.device.host_threads import release_openmp_pool
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine_args import DEFAULT_MODEL
 from dsinfer.models.loader import EMBEDDED_MODELS
@@ -60,6 +61,10 @@ def version_builder(config_for: ConfigFor) -> Callable[[str, str], ServedModel]:
 
     def build(name: str, path: str) -> ServedModel:
         config = config_for(path)
+        # The engine loads, tunes and steps on its own thread; this one (the main thread at
+        # start-up, a worker thread on a hot swap) must then hold no OpenMP pool, or every
+        # parallel region there pays a futex wake-up (device/host_threads.py).
+        release_openmp_pool()
         runner = AsyncEngine(lambda: LLMEngine(config))  # built on its own thread
         engine = runner.engine
         return ServedModel(

@@ -14,7 +14,7 @@ import torch
 from dsinfer.config import CacheConfig
 from dsinfer.device.host_memory import HUGE_PAGE, HugePageArena, gather, huge_pages_mode
 from dsinfer.worker.kv_cache import allocate_kv_cache
-from tests.helpers import tiny_model_config
+from tests.helpers import run_fresh_python, tiny_model_config
 
 
 def _status_kib(key: str) -> int:
@@ -167,16 +167,6 @@ def test_gather_copies_only_the_bytes_the_tensors_use() -> None:
     assert last.data_ptr() % 64 == 0 and inner.data_ptr() - first.data_ptr() == 512
 
 
-def _run_fresh(source: str) -> str:
-    """Run `source` in a fresh interpreter (glibc's heap as a new process has it); its stdout."""
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, "-c", source], capture_output=True, text=True, check=True
-    ).stdout
-
-
 _HEAP_PROBE = """
 import ctypes, torch
 from dsinfer.device.host_memory import loading_heap
@@ -209,7 +199,7 @@ def test_loading_maps_large_storages_and_serving_keeps_them_on_the_heap() -> Non
     no page faults per step). Overlapping loads restore the serving values with the last. In a
     fresh process: glibc serves a request from a free heap block of the size before it maps,
     and this test process's heap has those."""
-    inner, outer, serving, huge = (int(x) for x in _run_fresh(_HEAP_PROBE).split())
+    inner, outer, serving, huge = (int(x) for x in run_fresh_python(_HEAP_PROBE).split())
     assert inner >= 4 << 20 and outer >= 4 << 20
     assert serving == 0
     assert huge >= 64 << 20  # past the serving threshold: mapped, as glibc's own would
@@ -249,5 +239,5 @@ os.unlink(path)
 def test_a_server_keeps_one_malloc_arena_a_forward_thread_and_two_more() -> None:
     """Twelve threads allocating at once get at most 4 arenas (two forward threads + 2), not
     glibc's 8 a core; and more than one, so the forward's threads do not queue on one lock."""
-    out = _run_fresh(_ARENA_PROBE)
+    out = run_fresh_python(_ARENA_PROBE)
     assert 2 <= int(out) <= 4, out

@@ -21,6 +21,8 @@ not change arithmetic with how it was chunked or what the prefix cache held.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsinfer.layers.attention.backend import AttentionMetadata, PrefillSeq
@@ -31,10 +33,17 @@ from dsinfer.layers.rotary import StepRope
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
-# MLA prefill attends in query chunks of this many rows (see attend_in_query_chunks);
-# _FUTURE[i, j] is True where key j of a chunk's diagonal block is later than its query i.
+# MLA prefill attends in query chunks of this many rows (see attend_in_query_chunks).
 _QUERY_CHUNK = 128
-_FUTURE = torch.ones(_QUERY_CHUNK, _QUERY_CHUNK, dtype=torch.bool).triu_(1)
+
+
+@functools.cache
+def _future_mask() -> torch.Tensor:
+    """[i, j] True where key j of a chunk's diagonal block is later than its query i. Made on
+    first use, never at import: a torch op on the importing (main) thread can start an OpenMP
+    pool there, and a second pool makes libgomp stop spinning for every other thread's
+    parallel regions (tests/device/test_host_threads.py)."""
+    return torch.ones(_QUERY_CHUNK, _QUERY_CHUNK, dtype=torch.bool).triu_(1)
 
 
 def attend_in_query_chunks(
@@ -55,7 +64,7 @@ def attend_in_query_chunks(
         n = min(_QUERY_CHUNK, ql - q0)
         keys = num_before + q0 + n  # this chunk's last query sees keys [0, keys)
         s = torch.bmm(q[:, q0 : q0 + n], k[:, :keys].transpose(1, 2)).mul_(scale)  # [H, n, keys]
-        s[:, :, keys - n :].masked_fill_(_FUTURE[:n, :n], float("-inf"))
+        s[:, :, keys - n :].masked_fill_(_future_mask()[:n, :n], float("-inf"))
         out.append(torch.bmm(torch.softmax(s, dim=-1), v[:, :keys]))  # [H, n, Dv]
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 

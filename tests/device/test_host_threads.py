@@ -1,0 +1,100 @@
+"""The serving process's OpenMP pools (device/host_threads.py): libgomp keeps one pool of
+worker threads per thread that has run a parallel region, and with more such threads than CPUs
+it stops spinning between regions, so every region of the engine thread pays a futex wake-up
+(a decode step 1.4 → 6.3 ms at one row, measured). These tests count the process's threads in
+fresh interpreters: a pool's worker threads appear in /proc/self/task."""
+
+from __future__ import annotations
+
+from tests.helpers import run_fresh_python
+
+_COUNT = "import os\ndef threads():\n    return len(os.listdir('/proc/self/task'))\n"
+
+
+def test_importing_dsinfer_starts_no_openmp_pool() -> None:
+    """No module runs a parallel torch op at import: the importing thread (the server's main
+    thread) stays without a pool. A module-level `torch.ones(128, 128).triu_()` did start
+    one, and the server's decode steps ran at a third of their speed."""
+    out = run_fresh_python(
+        _COUNT
+        + """
+import torch
+torch.set_num_threads(2)
+before = threads()
+import dsinfer, dsinfer.cli, dsinfer.server.api, dsinfer.models.registry
+import dsinfer.layers.attention.fused_cpu, dsinfer.layers.quant, dsinfer.worker.model_runner
+print(before, threads())
+"""
+    )
+    before, after = out.split()
+    assert after == before, f"importing dsinfer started {int(after) - int(before)} thread(s)"
+
+
+def test_a_released_pool_lets_its_worker_threads_go() -> None:
+    """A thread that has run a 2-thread region holds a worker; release_openmp_pool lets it go
+    (the next region starts a new one)."""
+    out = run_fresh_python(
+        _COUNT
+        + """
+import time, torch
+from dsinfer.device.host_threads import release_openmp_pool
+torch.set_num_threads(2)
+before = threads()
+a = torch.randn(400_000)
+torch.add(a, a)  # a parallel region: the pool's worker starts
+during = threads()
+released = release_openmp_pool()
+deadline = time.monotonic() + 5
+while threads() > before and time.monotonic() < deadline:
+    time.sleep(0.01)
+after = threads()
+torch.add(a, a)
+print(before, during, released, after, threads())
+"""
+    )
+    before, during, released, after, again = out.split()
+    assert int(during) == int(before) + 1
+    assert released == "True"
+    assert after == before
+    assert int(again) == int(before) + 1
+
+
+def test_an_idle_engine_thread_releases_its_pool() -> None:
+    """The server's engine thread lets its OpenMP workers go when it has no request, so that
+    another engine (a second model or version) stepping meanwhile is the only pool. A stub
+    engine whose steps run one parallel region (the loop's threading is what is tested)."""
+    out = run_fresh_python(
+        _COUNT
+        + """
+import time, torch
+from dsinfer.server.async_engine import AsyncEngine
+torch.set_num_threads(2)
+a = torch.randn(400_000)
+
+class Busy:
+    steps = 4
+    def has_unfinished_requests(self):
+        return self.steps > 0
+    def step(self):
+        if self.steps > 0:
+            self.steps -= 1
+            torch.add(a, a)
+            time.sleep(0.2)
+        return []
+    def shutdown(self):
+        pass
+
+before = threads()
+engine = AsyncEngine(Busy())
+time.sleep(0.3)
+busy = threads()  # the engine thread and its pool's worker
+deadline = time.monotonic() + 5
+while threads() > before + 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(before, busy, threads())
+engine.shutdown()
+"""
+    )
+    before, busy, idle = (int(x) for x in out.split())
+    assert busy == before + 2
+    assert idle == before + 1  # the engine thread alone
