@@ -109,11 +109,11 @@ class StepProgram:
             # its noise is small against it, and start-up stays short.
             rounds = 1 if max(warm) > 0.05 else repeats
             measured = dict.fromkeys(candidates, float("inf"))
-            # Rounds of every candidate in turn, not each candidate's runs together: a
-            # moment when another process holds a core (one that has just exited) then slows
-            # a round of all of them, not every run of one. Timed one candidate after the
-            # other, a server once logged {1: 1, 16: 1} right after llama-server exited and
-            # served 16 streams at 646 tok/s, where its other runs gave 880-944 (session 27).
+            # Rounds of every candidate in turn, not each candidate's runs together: a moment
+            # when something else holds a core then slows a round of all of them, not every
+            # run of one. (What made a server keep 1 thread in session 27 was not noise but a
+            # second OpenMP pool in the process, slowing every 2-thread region for good:
+            # device/host_threads.py. The log's measured ms show such a case.)
             for _ in range(rounds):
                 for n in candidates:
                     measured[n] = min(measured[n], self._timed_step(n, *args))

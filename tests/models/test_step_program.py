@@ -280,7 +280,7 @@ def test_deepseek_step_counts_one_program_call(tmp_path):
 
 class _SimulatedProgram:
     """A decode program whose step takes 2 ms on two intra-op threads and 4 ms on one, and
-    whose first `busy_calls` steps take 20 ms more whatever their threads: another process
+    whose first `busy_calls` steps take 20 ms more whatever their threads: something else
     holding a core for a moment while the server starts."""
 
     def __init__(self, busy_calls: int) -> None:
