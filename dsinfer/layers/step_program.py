@@ -122,6 +122,23 @@ class StepProgram:
         self.threads = chosen
         return chosen
 
+    def regions_throttled(self) -> str | None:
+        """What the measured times say when every thread is at least twice as slow as one
+        (more threads never cost that much by themselves: at one row two threads take ~0.85×
+        one thread's time here), or None. The usual cause: another thread of this process
+        holds an OpenMP pool, and libgomp then wakes every region's workers through a futex
+        (device/host_threads.py)."""
+        for rows, by_threads in self.measured_ms.items():
+            most, one = by_threads[max(by_threads)], by_threads.get(1)
+            if one is not None and max(by_threads) > 1 and most >= 2 * one:
+                return (
+                    f"a {rows}-row decode step took {most} ms on {max(by_threads)} threads "
+                    f"against {one} ms on one: parallel regions are paying for waking their "
+                    "threads; is another thread of this process running torch ops (a second "
+                    "OpenMP pool)? See docs/backends.md, 'One OpenMP pool'"
+                )
+        return None
+
     def _timed_step(
         self, threads: int, x: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
     ) -> float:
@@ -139,6 +156,9 @@ class StepProgram:
             threads,
             self.measured_ms,
         )
+        why = self.regions_throttled()
+        if why:
+            logger.warning("step program: %s", why)
         return self
 
     @staticmethod

@@ -312,3 +312,17 @@ def test_thread_tuning_outlasts_a_moment_of_contention() -> None:
         assert program.measured_ms[1][2] < program.measured_ms[1][1]
     finally:
         torch.set_num_threads(before)
+
+
+def test_tuning_says_when_every_thread_is_twice_as_slow_as_one() -> None:
+    """A 2-thread step at least twice one thread's time is no property of the program: the
+    tuning names the likely cause (a second OpenMP pool) instead of silently keeping one."""
+    from dsinfer.layers.step_program import StepProgram
+
+    program = StepProgram(_SimulatedProgram(busy_calls=0))  # type: ignore[arg-type]
+    program.measured_ms = {1: {2: 1.33, 1: 1.57}, 16: {2: 7.13, 1: 11.62}}
+    assert program.regions_throttled() is None
+    program.measured_ms = {1: {2: 6.25, 1: 1.51}, 16: {2: 11.79, 1: 11.61}}
+    why = program.regions_throttled()
+    assert why is not None and "6.25 ms on 2 threads against 1.51 ms on one" in why
+    assert "OpenMP pool" in why
