@@ -158,7 +158,11 @@ class StepProgram:
         )
         why = self.regions_throttled()
         if why:
-            logger.warning("step program: %s", why)
+            # The comparison measured the other pool, not the program: fewer threads would
+            # stay after that pool is gone (a hot swap's old version unloaded, say), at about
+            # half the speed of a many-row step. Every thread is right once it is gone.
+            self.threads = {}
+            logger.warning("step program: %s; keeping every intra-op thread", why)
         return self
 
     @staticmethod

@@ -326,3 +326,28 @@ def test_tuning_says_when_every_thread_is_twice_as_slow_as_one() -> None:
     why = program.regions_throttled()
     assert why is not None and "6.25 ms on 2 threads against 1.51 ms on one" in why
     assert "OpenMP pool" in why
+
+
+def test_a_throttled_tuning_keeps_every_thread(caplog: pytest.LogCaptureFixture) -> None:
+    """Timed while another pool made every 2-thread region slow (a hot swap's old version
+    still stepping, say), the tuning does not keep 1 thread for good: it keeps every thread and
+    says why."""
+    from dsinfer.layers.step_program import StepProgram
+
+    class Throttled(_SimulatedProgram):
+        def run(self, x: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+            import time
+
+            time.sleep(0.008 if torch.get_num_threads() >= 2 else 0.002)
+            return x
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        program = StepProgram(Throttled(busy_calls=0))  # type: ignore[arg-type]
+        with caplog.at_level(logging.WARNING):
+            program.tuned(hidden=8, dtype=torch.float32, num_blocks=16)
+        assert program.threads == {} and program.threads_for(1) == 2
+        assert "keeping every intra-op thread" in caplog.text
+    finally:
+        torch.set_num_threads(before)
