@@ -1,9 +1,10 @@
 """Where one engine step's time goes, phase by phase, in process.
 
-  python benchmarks/step_phases.py [--tokens 512] [--runs 3] [--malloc-arenas N]
+  python benchmarks/step_phases.py [--tokens 512] [--streams 1] [--runs 3] [--malloc-arenas N]
 
-Times one greedy stream of `--tokens` tokens (`LLM.generate`, the embedded model as `make serve`
-loads it) and the engine step's phases inside it: scheduling, the input build, the forward,
+Times `--streams` greedy streams of `--tokens` tokens each, started together (`LLM.generate`, the
+embedded model as `make serve` loads it; with several streams their prefill counts too) and the
+engine step's phases inside it: scheduling, the input build, the forward,
 the logits, sampling, the scheduler's update and detokenising, as milliseconds a step. The
 phases are timed by wrapping the methods that run them (no profiler: its own cost per op
 would swamp a 2 ms step). `--malloc-arenas N` bounds glibc's arenas first, as `dsinfer serve`
@@ -24,6 +25,7 @@ PHASES = ("step", "schedule", "build_input", "forward", "logits", "sample", "upd
 def _timed(totals: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        totals[name + " calls"] += 1
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -38,6 +40,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--streams", type=int, default=1)
     p.add_argument("--malloc-arenas", type=int, default=None)
     args = p.parse_args()
     if args.malloc_arenas is not None:
@@ -65,16 +68,25 @@ def main() -> None:
         setattr(owner, attr, _timed(totals, name, getattr(owner, attr)))
 
     llm = LLM(args.model)
-    prompt = "Write a long story about a dragon who lives in a castle near the sea."
+    prompts = [
+        f"Write a long story ({i}) about a dragon who lives in a castle near the sea."
+        for i in range(args.streams)
+    ]
     greedy = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    llm.generate([prompt], greedy, use_tqdm=False)  # warm-up
+    llm.generate(prompts, greedy, use_tqdm=False)  # warm-up
     for _ in range(args.runs):
         totals.clear()
         t0 = time.perf_counter()
-        llm.generate([prompt], greedy, use_tqdm=False)
-        ms = 1e3 * (time.perf_counter() - t0) / args.tokens
-        phases = " ".join(f"{k} {1e3 * totals[k] / args.tokens:.3f}" for k in PHASES)
-        print(f"{ms:.3f} ms a token; ms a step: {phases}", flush=True)
+        llm.generate(prompts, greedy, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        steps = totals["step calls"]
+        phases = " ".join(f"{k} {1e3 * totals[k] / steps:.3f}" for k in PHASES)
+        print(
+            f"{1e3 * wall / args.tokens:.3f} ms a token a stream, "
+            f"{args.streams * args.tokens / wall:.1f} tok/s, {steps:.0f} steps; "
+            f"ms a step: {phases}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
