@@ -27,9 +27,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SAME_DTYPE_TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
-def _llm(path, backend: str, dtype: str, device: str = "cuda") -> LLM:  # noqa: ANN001
+def _llm(path, backend: str, dtype: str, device: str = "cuda", **options) -> LLM:  # noqa: ANN001, ANN003
     return LLM(
-        str(path), device=device, backend=backend, dtype=dtype, num_blocks=128, block_size=16
+        str(path),
+        device=device,
+        backend=backend,
+        dtype=dtype,
+        num_blocks=128,
+        block_size=16,
+        **options,
     )
 
 
@@ -124,15 +130,7 @@ def test_routed_experts_run_inside_the_cuda_graphs(tmp_path) -> None:  # noqa: A
     fused = _llm(tmp_path, "fused", "bfloat16")
     runner = fused.engine.executor.runner
     assert runner.graphs is not None, "the routed experts kept the decode steps eager"
-    eager = LLM(
-        str(tmp_path),
-        device="cuda",
-        backend="fused",
-        dtype="bfloat16",
-        num_blocks=128,
-        block_size=16,
-        step_program=False,
-    )
+    eager = _llm(tmp_path, "fused", "bfloat16", step_program=False)
     for ids in _prompts((7, 40)):
         replays = runner.graphs.replays
         got = decode_logits(fused.engine, ids).float().cpu()
