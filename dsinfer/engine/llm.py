@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
+from dsinfer.device.host_threads import release_openmp_pool
 from dsinfer.engine.llm_engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine_args import DEFAULT_MODEL, EngineArgs, engine_arg_names
@@ -28,7 +29,13 @@ class LLM:
                 f"{', '.join(sorted(engine_arg_names() - {'model'}))}"
             )
         config = EngineArgs(model=model, **kwargs).engine_config()
-        self.engine = LLMEngine(config)
+        try:
+            self.engine = LLMEngine(config)
+        finally:
+            # The thread that loaded may not be the one that generates (a web app's worker
+            # threads): each keeps an OpenMP pool while it holds one, and with more pools
+            # than CPUs every parallel region pays a futex wake-up (device/host_threads.py).
+            release_openmp_pool()
         self.tokenizer = self.engine.tokenizer
 
     def generate(
@@ -62,12 +69,15 @@ class LLM:
             groups.append([self._add(prompt, sub) for sub in split_samples(p)])
         finals: dict[str, RequestOutput] = {}
         total = sum(len(g) for g in groups) if use_tqdm else 0
-        with progress("generating", total, log=False) as advance:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finals[out.request_id] = out
-                        advance(1)
+        try:
+            with progress("generating", total, log=False) as advance:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            finals[out.request_id] = out
+                            advance(1)
+        finally:
+            release_openmp_pool()  # as after loading: the next call may come from another thread
         results = []
         for ids in groups:
             first = finals[ids[0]]

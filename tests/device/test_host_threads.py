@@ -98,3 +98,38 @@ engine.shutdown()
     before, busy, idle = (int(x) for x in out.split())
     assert busy == before + 2
     assert idle == before + 1  # the engine thread alone
+
+
+def test_the_offline_api_leaves_no_pool_behind() -> None:
+    """LLM() and LLM.generate release the calling thread's pool when they return: a web app
+    that loads on one thread and generates from a pool of worker threads would otherwise hold
+    a pool per thread, and every parallel region would pay the futex wake-up."""
+    out = run_fresh_python(
+        _COUNT
+        + """
+import threading, time, torch
+torch.set_num_threads(2)
+from dsinfer import LLM, SamplingParams
+def settled(n):
+    deadline = time.monotonic() + 5
+    while threads() > n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+before = threads()
+llm = LLM("smollm2")
+loaded = settled(before)
+llm.generate(["Hello"], SamplingParams(max_tokens=4))
+generated = settled(before)
+counts = []
+def worker():
+    llm.generate(["Hello"], SamplingParams(max_tokens=4))
+    counts.append(settled(before + 1) - 1)  # this thread, still running, not counted
+t = threading.Thread(target=worker)
+t.start()
+t.join()
+print(before, loaded, generated, counts[0])
+"""
+    )
+    before, loaded, generated, in_worker = out.split()
+    assert loaded == generated == before
+    assert int(in_worker) <= int(before)  # the worker's own pool was let go before it returned
