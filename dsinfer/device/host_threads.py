@@ -21,6 +21,8 @@ import ctypes
 import functools
 import logging
 
+import torch  # noqa: F401  (loads its libgomp before _libgomp looks for it)
+
 logger = logging.getLogger(__name__)
 
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what can be kept
@@ -35,9 +37,11 @@ def _libgomp() -> ctypes.CDLL | None:
             paths = {line.split()[-1] for line in maps if "libgomp" in line}
     except OSError:
         return None
-    path = next((p for p in sorted(paths) if p.startswith("/")), None)
-    if path is None:
+    # torch's own copy first, should an extension have brought another.
+    candidates = sorted((p for p in paths if p.startswith("/")), key=lambda p: "/torch/" not in p)
+    if not candidates:
         return None
+    path = candidates[0]
     lib = ctypes.CDLL(path)  # already loaded: the same handle, nothing new mapped
     return lib if hasattr(lib, "omp_pause_resource_all") else None
 
