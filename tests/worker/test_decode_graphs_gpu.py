@@ -125,9 +125,7 @@ def test_routed_experts_run_inside_the_cuda_graphs(tmp_path) -> None:  # noqa: A
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch's grouped GEMM reads its groups back below compute capability 9.0")
     torch.manual_seed(4)
-    cfg = transformers.DeepseekV2Config(
-        **{**DEEPSEEK_COMMON, **DEEPSEEK_CASES["v2-lite-shape"][1]}
-    )
+    cfg = transformers.DeepseekV2Config(**{**DEEPSEEK_COMMON, **DEEPSEEK_CASES["v2-lite-shape"][1]})
     transformers.DeepseekV2ForCausalLM(cfg).save_pretrained(tmp_path)
     write_tiny_tokenizer(tmp_path)
     fused = _llm(tmp_path, "fused", "bfloat16")
