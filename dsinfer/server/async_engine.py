@@ -105,9 +105,9 @@ class AsyncEngine:
     Pass a factory rather than a built engine where you can: the engine is then built on the
     thread that will run it, and can be rebuilt there after a fault. Every thread that runs
     parallel regions gets an OpenMP pool of its own, and with more pools than CPUs every region
-    pays a futex wake-up (124 vs 230 us for a 576x3072 GEMV; device/host_threads.py): the
-    engine thread is to be the process's only pool, so it loads here and, when idle, lets its
-    pool go.
+    pays a futex wake-up (device/host_threads.py; loading on the main thread and stepping on
+    another was once measured at 124 vs 230 us a 576x3072 GEMV): the engine thread is to be
+    the process's only pool, so it loads here and, when idle, lets its pool go.
     """
 
     def __init__(self, engine: EngineCore | Callable[[], EngineCore]) -> None:
