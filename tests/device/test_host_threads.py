@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from tests.helpers import run_fresh_python
 
-_COUNT = "import os\ndef threads():\n    return len(os.listdir('/proc/self/task'))\n"
+# Prepended to every probe: the process's thread count, and that count once threads that are
+# exiting have gone (a released pool's workers leave asynchronously; at most 5 s).
+_COUNT = """
+import os, time
+def threads():
+    return len(os.listdir('/proc/self/task'))
+def settled(n):
+    deadline = time.monotonic() + 5
+    while threads() > n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+"""
 
 
 def test_importing_dsinfer_starts_no_openmp_pool() -> None:
@@ -36,7 +47,7 @@ def test_a_released_pool_lets_its_worker_threads_go() -> None:
     out = run_fresh_python(
         _COUNT
         + """
-import time, torch
+import torch
 from dsinfer.device.host_threads import release_openmp_pool
 torch.set_num_threads(2)
 before = threads()
@@ -44,10 +55,7 @@ a = torch.randn(400_000)
 torch.add(a, a)  # a parallel region: the pool's worker starts
 during = threads()
 released = release_openmp_pool()
-deadline = time.monotonic() + 5
-while threads() > before and time.monotonic() < deadline:
-    time.sleep(0.01)
-after = threads()
+after = settled(before)
 torch.add(a, a)
 print(before, during, released, after, threads())
 """
@@ -88,10 +96,7 @@ before = threads()
 engine = AsyncEngine(Busy())
 time.sleep(0.3)
 busy = threads()  # the engine thread and its pool's worker
-deadline = time.monotonic() + 5
-while threads() > before + 1 and time.monotonic() < deadline:
-    time.sleep(0.01)
-print(before, busy, threads())
+print(before, busy, settled(before + 1))
 engine.shutdown()
 """
     )
@@ -107,14 +112,9 @@ def test_the_offline_api_leaves_no_pool_behind() -> None:
     out = run_fresh_python(
         _COUNT
         + """
-import threading, time, torch
+import threading, torch
 torch.set_num_threads(2)
 from dsinfer import LLM, SamplingParams
-def settled(n):
-    deadline = time.monotonic() + 5
-    while threads() > n and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return threads()
 before = threads()
 llm = LLM("smollm2")
 loaded = settled(before)
