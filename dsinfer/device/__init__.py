@@ -44,6 +44,11 @@ def native_bf16_matmul(device: torch.device) -> bool:
     return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
 
 
+# torch's grouped GEMM: the public `F.grouped_mm` where this torch has it, else the private
+# `torch._grouped_mm` of the releases before (same arguments); None where torch has neither.
+grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def grouped_mm_in_graphs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch's grouped GEMM (`F.grouped_mm`: every routed expert in one call, the
     groups' ends in a device tensor) runs here without reading those ends back to the host,
@@ -51,9 +56,7 @@ def grouped_mm_in_graphs(device: torch.device, dtype: torch.dtype) -> bool:
     later. Elsewhere torch loops over the groups on the host (a sync at every call)."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return False
-    return hasattr(torch.nn.functional, "grouped_mm") and torch.cuda.get_device_capability(
-        device
-    ) >= (9, 0)
+    return grouped_mm is not None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def total_memory(device: torch.device) -> int:

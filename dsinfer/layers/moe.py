@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsinfer.device import grouped_mm_in_graphs
+from dsinfer.device import grouped_mm, grouped_mm_in_graphs
 from dsinfer.distributed.comm import all_reduce_stage
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.activation import silu_and_mul
@@ -280,8 +280,9 @@ class RoutedExperts(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         ends = counts.cumsum(0, dtype=torch.int32)  # [E]: group e is rows [ends[e-1], ends[e])
         # w13 [E, 2I, H] → [E, H, 2I] (a transposed view: the kernel's column-major operand).
-        h = self.act(F.grouped_mm(xs, w13.transpose(1, 2), offs=ends))  # [T*k, I]
-        return F.grouped_mm(h, w2.transpose(1, 2), offs=ends)  # [T*k, H]
+        assert grouped_mm is not None  # use_grouped_mm is on only where torch has it
+        h = self.act(grouped_mm(xs, w13.transpose(1, 2), offs=ends))  # [T*k, I]
+        return grouped_mm(h, w2.transpose(1, 2), offs=ends)  # [T*k, H]
 
 
 class SharedExperts(nn.Module):
