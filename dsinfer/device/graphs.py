@@ -10,7 +10,8 @@ the same static-buffer contract, so the bucket and padding logic around a graph
 Contract of a graph: `capture(fn)` runs fn (warm-up and recording) and keeps its result tensor;
 every `replay()` recomputes that same tensor in place from whatever the static input buffers
 hold now. Inputs and outputs are fixed tensors: callers copy into the inputs before replay and
-read the output before the next replay.
+read the output before the next replay. A graph also keeps fn, and with it every tensor fn
+closes over: a recorded graph reads those by address, holding no reference of its own.
 """
 
 from __future__ import annotations
@@ -59,8 +60,14 @@ class _RecordedGraph:
         self._warmup = warmup
         self._graph: Any = None
         self._out: torch.Tensor | None = None
+        self._fn: Callable[[], torch.Tensor] | None = None
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        # The recording reads the tensors fn closes over by address at every replay, and
+        # nothing else refers to some of them (decode_graphs' span of positions for the mask):
+        # dropped with fn, their memory would go to the next step's tensors while the graph
+        # still read it. Found on an H100: replayed logits off by their own size.
+        self._fn = fn
         mod = self._mod
         side = mod.Stream()
         side.wait_stream(mod.current_stream())

@@ -149,6 +149,10 @@ class DecodeGraphs:
         )
         _pad_rows(s, 0, self.pad_block)  # captured (and warmed up) on padding rows only
         span = torch.arange(blocks * self.block_size, device=self.device)
+        # The graph keeps `step` and what it closes over (device/graphs.py): the span, the
+        # buffers, the model's forward; not `self`, which would make a reference cycle that
+        # keeps the weights and KV pool alive after the runner goes, until a gc pass.
+        forward = self._forward
 
         def step() -> torch.Tensor:
             # The mask comes from the lengths inside the graph: one buffer fewer to fill.
@@ -162,7 +166,7 @@ class DecodeGraphs:
                 prefills=(),
                 decode_seq_lens=s.lens,
             )
-            return self._forward(s.ids, s.positions, meta)
+            return forward(s.ids, s.positions, meta)
 
         s.graph.capture(step)
         self.graphs[(batch, blocks)] = s

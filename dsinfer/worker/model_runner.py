@@ -161,8 +161,9 @@ class ModelRunner:
         """Decode steps as graphs per (batch, context) bucket, recorded on first use; their
         padding rows write into the block reserved after the scheduler's."""
         max_len = self.config.max_position_embeddings
+        model, caches = self.model, self.kv_caches  # not self: the graphs keep this function
         self.graphs = DecodeGraphs(
-            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+            lambda ids, pos, meta: model(ids, pos, caches, meta),
             pad_block=self.num_blocks,
             block_size=self.block_size,
             max_batch=max_num_seqs,

@@ -9,13 +9,18 @@ tests/worker/test_decode_graphs_gpu.py (marked gpu)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dsinfer import LLM
 from dsinfer.config import CacheConfig
@@ -334,3 +339,99 @@ def test_the_trace_sees_the_routed_experts_read_back_and_the_grouped_gemm_not() 
     assert traces[0] == traces[1]
     names = {name for name, _ in traces[0]}
     assert "aten::_grouped_mm" in names and not names & HOST_READS, names & HOST_READS
+
+
+class _ReadsFromOutside(TorchDispatchMode):
+    """Weak references to every tensor a recording reads that it did not make itself: what a
+    recorded graph reads by address at each replay (it holds no reference to them)."""
+
+    def __init__(self, reads: list[weakref.ref]) -> None:
+        super().__init__()
+        self.reads = reads
+        self.made: set[int] = set()
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and id(t) not in self.made | self.seen:
+                self.seen.add(id(t))
+                self.reads.append(weakref.ref(t))
+        self.made.update(id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+class _AddressGraph:
+    """A CUDA graph's stand-in: replay does nothing; it knows which tensors from outside the
+    recording it would read, and which of them have been freed since (memory that a real
+    graph would go on reading after the allocator gave it to someone else)."""
+
+    def __init__(self) -> None:
+        self.reads: list[weakref.ref] = []
+
+    def replay(self) -> None:
+        pass
+
+    def freed(self) -> int:
+        return sum(r() is None for r in self.reads)
+
+
+class _AddressGraphAPI:
+    """torch.cuda's graph API as device/graphs.py uses it, with _AddressGraph's recordings."""
+
+    NPUGraph = _AddressGraph
+
+    class Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    def current_stream(self) -> Stream:
+        return self.Stream()
+
+    def stream(self, s: object) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def graph(self, g: _AddressGraph, pool: object = None) -> Iterator[None]:
+        with _ReadsFromOutside(g.reads):
+            yield
+
+
+@torch.inference_mode()
+def test_what_a_recorded_graph_reads_outlives_its_capture(tiny, monkeypatch) -> None:  # noqa: ANN001
+    """A recorded graph reads its inputs by address and holds no reference to them: a tensor
+    made before the recording that only the captured function referred to (the mask's span of
+    positions, once) is freed when capture returns, and on CUDA every replay then read memory
+    the allocator had handed to the next step's tensors. Through device/graphs.py's recording
+    code with a stand-in for torch.cuda: every such tensor is still alive after capture."""
+    from dsinfer.device import graphs as device_graphs
+
+    api = _AddressGraphAPI()
+    monkeypatch.setattr(
+        "dsinfer.worker.decode_graphs.new_step_graph",
+        lambda device: device_graphs._RecordedGraph(api, None),
+    )
+    runner = tiny.engine.executor.runner
+    model, caches = runner.model, runner.kv_caches
+    graphs = DecodeGraphs(
+        lambda ids, pos, meta: model(ids, pos, caches, meta), 63, BS, 4, 16, runner.device
+    )
+    seqs = [ScheduledSeq(f"s{i}", [7 + i], n - 1, [i, 10 + i], False) for i, n in enumerate((5, 7))]
+    inp = build_model_input(seqs, BS, runner.device)
+    graphs.run(inp.input_ids, inp.positions, inp.meta)  # captures the (2 rows, 2 blocks) graph
+    gc.collect()
+    recorded = graphs.graphs[(2, 2)].graph._graph
+    assert len(recorded.reads) > 10  # the static buffers, the weights, the KV pool, ...
+    assert recorded.freed() == 0, f"{recorded.freed()} tensors the graph reads were freed"
+    # Keeping the captured function makes no reference cycle: the graphs go with their owner
+    # (and with them the model and pool they hold), without waiting for a gc pass.
+    gone = weakref.ref(graphs)
+    gc.disable()
+    try:
+        del graphs, recorded
+        assert gone() is None
+    finally:
+        gc.enable()
