@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks of the fast path as one prepared run for a lent GPU machine (the device tool;
 # never CI): the gpu-marked tests (fused vs reference on the GPU, decode graphs replayed, routed
-# experts in graphs) and two decodes against the HBM roofline (benchmarks/cuda_decode.py): the
+# experts in graphs), benchmarks/graph_probe.py (where a replay parts from eager, if it does)
+# and two decodes against the HBM roofline (benchmarks/cuda_decode.py): the
 # 7B (Llama shape) and DeepSeek-V2-Lite (MLA, DeepSeekMoE), fused vs reference. Needs .cuda/
 # from benchmarks/cuda_prepare.sh. Each part has its own time limit, so that one hung part
 # leaves the others' results; logs and JSON go to $OUT (the device tool brings them back).
@@ -22,6 +23,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 timeout 150 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short -m gpu \
     $(grep -rl "pytest.mark.gpu" tests) 2>&1 | tee "$out/gpu_tests.log"
 echo "gpu tests: exit ${PIPESTATUS[0]}" | tee -a "$out/gpu.txt"
+# Replayed graphs against the eager step, module by module where they part (tiny models).
+for probe in "" "--tiny-v2 --dtype bfloat16"; do
+    timeout 60 python3 benchmarks/graph_probe.py --hooks $probe 2>&1 | grep -v "Writing model" \
+        | tail -12 | tee -a "$out/graph_probe.log"
+done
 timeout 120 python3 benchmarks/cuda_decode.py --tokenizer .cuda/tokenizer \
     --json "$out/cuda_decode_7b.json" 2>&1 | tee "$out/cuda_decode_7b.log"
 echo "7B decode: exit ${PIPESTATUS[0]}" | tee -a "$out/gpu.txt"

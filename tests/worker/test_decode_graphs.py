@@ -400,22 +400,33 @@ class _AddressGraphAPI:
             yield
 
 
+@pytest.mark.parametrize("which", ["tiny", "tiny_sdpa", "tiny_mla", "tiny_moe_grouped"])
 @torch.inference_mode()
-def test_what_a_recorded_graph_reads_outlives_its_capture(tiny, monkeypatch) -> None:  # noqa: ANN001
+def test_what_a_recorded_graph_reads_outlives_its_capture(which, request, monkeypatch) -> None:  # noqa: ANN001
     """A recorded graph reads its inputs by address and holds no reference to them: a tensor
     made before the recording that only the captured function referred to (the mask's span of
     positions, once) is freed when capture returns, and on CUDA every replay then read memory
     the allocator had handed to the next step's tensors. Through device/graphs.py's recording
-    code with a stand-in for torch.cuda: every such tensor is still alive after capture."""
+    code with a stand-in for torch.cuda: every such tensor is still alive after capture. The
+    models: Llama with the reference MHA and with CUDA's (SDPA), DeepSeek's MLA, and its
+    routed experts through the grouped GEMM."""
     from dsinfer.device import graphs as device_graphs
+    from dsinfer.layers.attention.sdpa_paged import SdpaPagedAttention
 
     api = _AddressGraphAPI()
     monkeypatch.setattr(
         "dsinfer.worker.decode_graphs.new_step_graph",
         lambda device: device_graphs._RecordedGraph(api, None),
     )
-    runner = tiny.engine.executor.runner
+    runner = request.getfixturevalue(
+        "tiny" if which == "tiny_sdpa" else which
+    ).engine.executor.runner
     model, caches = runner.model, runner.kv_caches
+    if which == "tiny_sdpa":  # CUDA's fused MHA, which also runs on the CPU
+        for layer in model.model.layers:
+            attn = layer.self_attn.attn
+            monkeypatch.setattr(layer.self_attn, "attn", attn.rebuilt("fused", "cuda"))
+            assert isinstance(layer.self_attn.attn, SdpaPagedAttention)
     graphs = DecodeGraphs(
         lambda ids, pos, meta: model(ids, pos, caches, meta), 63, BS, 4, 16, runner.device
     )
