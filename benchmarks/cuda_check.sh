@@ -5,7 +5,8 @@
 # and two decodes against the HBM roofline (benchmarks/cuda_decode.py): the
 # 7B (Llama shape) and DeepSeek-V2-Lite (MLA, DeepSeekMoE), fused vs reference. Needs .cuda/
 # from benchmarks/cuda_prepare.sh. Each part has its own time limit, so that one hung part
-# leaves the others' results; logs and JSON go to $OUT (the device tool brings them back).
+# leaves the others' results; logs, JSON and the fused decodes' kernel tables go to $OUT (7
+# files: the device tool brings back 8 at most).
 #   run(command="bash benchmarks/cuda_check.sh", carry=[".cuda"], timeout_s=420)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,22 +18,23 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers; print('torch', torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability(), 'transformers', transformers.__version__, 'F.grouped_mm', hasattr(torch.nn.functional, 'grouped_mm'))"
-} 2>&1 | tee "$out/gpu.txt"
+} 2>&1 | tee "$out/checks.log"
 # The gpu-marked files only: collecting the whole suite would import test dependencies the
 # device's image lacks (openai, jsonschema, xgrammar, ...).
 timeout 150 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short -m gpu \
-    $(grep -rl "pytest.mark.gpu" tests) 2>&1 | tee "$out/gpu_tests.log"
-echo "gpu tests: exit ${PIPESTATUS[0]}" | tee -a "$out/gpu.txt"
+    $(grep -rl "pytest.mark.gpu" tests) 2>&1 | tee -a "$out/checks.log"
+echo "gpu tests: exit ${PIPESTATUS[0]}" | tee -a "$out/checks.log"
 # Replayed graphs against the eager step, module by module where they part (tiny models).
 for probe in "" "--tiny-v2 --dtype bfloat16"; do
     timeout 60 python3 benchmarks/graph_probe.py --hooks $probe 2>&1 | grep -v "Writing model" \
-        | tail -12 | tee -a "$out/graph_probe.log"
+        | tail -12 | tee -a "$out/checks.log"
 done
 timeout 120 python3 benchmarks/cuda_decode.py --tokenizer .cuda/tokenizer \
-    --json "$out/cuda_decode_7b.json" 2>&1 | tee "$out/cuda_decode_7b.log"
-echo "7B decode: exit ${PIPESTATUS[0]}" | tee -a "$out/gpu.txt"
+    --json "$out/cuda_decode_7b.json" --profile "$out" 2>&1 | tee "$out/cuda_decode_7b.log"
+echo "7B decode: exit ${PIPESTATUS[0]}" | tee -a "$out/checks.log"
 timeout 120 python3 benchmarks/cuda_decode.py --config deepseek-v2-lite \
     --tokenizer .cuda/tokenizer --kv-cache-memory 2GiB \
-    --json "$out/cuda_decode_v2_lite.json" 2>&1 | tee "$out/cuda_decode_v2_lite.log"
-echo "V2-Lite decode: exit ${PIPESTATUS[0]}" | tee -a "$out/gpu.txt"
-cat "$out/gpu.txt"
+    --json "$out/cuda_decode_v2_lite.json" --profile "$out" 2>&1 \
+    | tee "$out/cuda_decode_v2_lite.log"
+echo "V2-Lite decode: exit ${PIPESTATUS[0]}" | tee -a "$out/checks.log"
+grep -E "^(torch|gpu tests|7B|V2-Lite|batch|  batch|NVIDIA|worst)" "$out"/*.log

@@ -66,15 +66,19 @@ def step_bytes(llm: LLM, batch: int, context: int) -> int:
     return weights + kv
 
 
-def decode_run(llm: LLM, batch: int, prompt_len: int, new: int) -> dict[str, float]:
+def _prompts(llm: LLM, batch: int, prompt_len: int) -> list[dict[str, list[int]]]:
     vocab = llm.engine.model_config.vocab_size  # (a tiny config's, in a dry run)
-    prompts = [
+    return [
         {
             "prompt_token_ids": [100000 % vocab]
             + [(1000 + 7 * i + j) % vocab for j in range(prompt_len - 1)]
         }
         for i in range(batch)
     ]
+
+
+def decode_run(llm: LLM, batch: int, prompt_len: int, new: int) -> dict[str, float]:
+    prompts = _prompts(llm, batch, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm
     outs = llm.generate(prompts, params)
@@ -82,6 +86,31 @@ def decode_run(llm: LLM, batch: int, prompt_len: int, new: int) -> dict[str, flo
     last = max(o.metrics.finished_time for o in outs)
     step_s = (last - first) / (new - 1)
     return {"step_ms": 1e3 * step_s, "decode_tok_s": batch / step_s}
+
+
+def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int, out: Path) -> None:
+    """torch.profiler over one request of `steps` decode steps (and its prefill) at `batch`:
+    the kernels by device time appended to `out`, the top of the table and the kernels a step printed.
+    A diagnostic: an error here is printed, not raised."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = llm.engine.executor.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    try:
+        prompts = _prompts(llm, batch, prompt_len)
+        with profile(activities=activities) as prof:
+            llm.generate(prompts, params)
+        averages = prof.key_averages()
+        on_device = [e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU]
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+        table = averages.table(sort_by=sort, row_limit=30)
+        with out.open("a") as f:  # one file per model: both batches
+            f.write(f"batch {batch}, {steps} decode steps and the prefill\n{table}\n")
+        print(f"  profile, batch {batch}: {len(on_device) / steps:.0f} device kernels a step")
+        print("\n".join(table.splitlines()[:16]))
+    except Exception as e:  # noqa: BLE001
+        print(f"  profile, batch {batch}: failed ({type(e).__name__}: {e})")
 
 
 def main() -> int:
@@ -96,6 +125,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--kv-cache-memory", default="8GiB", help="the KV pool on CUDA")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, help="a folder: the fused decode's kernel tables")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -138,6 +168,12 @@ def main() -> int:
                 f"  batch {batch:3d}: {r['step_ms']:7.2f} ms a step, {r['decode_tok_s']:8.1f} tok/s, "
                 f"roofline {roof_ms:.2f} ms ({100 * r['roofline_share']:.0f}% of it)"
             )
+        if args.profile and backend == "fused":
+            folder = Path(args.profile)
+            folder.mkdir(parents=True, exist_ok=True)
+            for batch in batches:
+                name = f"profile_{Path(args.config).name}.txt"
+                profile_decode(llm, batch, args.prompt_len, 16, folder / name)
         del llm
         gc.collect()  # the first backend's weights go before the second's load
         if device.type == "cuda":
