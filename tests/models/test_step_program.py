@@ -326,6 +326,11 @@ def test_tuning_says_when_every_thread_is_twice_as_slow_as_one() -> None:
     why = program.regions_throttled()
     assert why is not None and "6.25 ms on 2 threads against 1.51 ms on one" in why
     assert "OpenMP pool" in why
+    # A large machine: one row is slower on all 32 threads than on one (waking them costs more
+    # than the row's work), but 16 rows gain from them: nothing is throttled, and the one-row
+    # bucket keeps the few threads the tuning chose.
+    program.measured_ms = {1: {32: 3.4, 8: 1.6, 1: 1.5}, 16: {32: 2.1, 8: 3.0, 1: 20.0}}
+    assert program.regions_throttled() is None
 
 
 def test_a_throttled_tuning_keeps_every_thread(caplog: pytest.LogCaptureFixture) -> None:
