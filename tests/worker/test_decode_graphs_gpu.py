@@ -6,6 +6,8 @@ Marked `gpu`: not part of `make test` (CPU machines); run them where a GPU is, w
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -143,4 +145,42 @@ def test_routed_experts_run_inside_the_cuda_graphs(tmp_path) -> None:  # noqa: A
     ours = [o.outputs[0].token_ids for o in fused.generate(prompts, GREEDY)]
     theirs = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY)]
     assert sum(a == b for a, b in zip(ours, theirs, strict=True)) >= 4
+    assert_pool_clean(fused.engine)
+
+
+def test_seeded_sampling_with_logprobs_on_cuda(tiny) -> None:  # noqa: ANN001
+    """Temperature, top-k, top-p, a repetition penalty and logprobs on the GPU, through the
+    graphs: a seeded request gives the same tokens twice, the reference backend (same seeds,
+    fp32 logits within 1e-4) gives the same tokens but at near-ties of the cumulative cut, and
+    every reported log-probability is finite, at most 0, and the chosen token's among them."""
+    fused = _llm(tiny, "fused", "float32")
+    ref = _llm(tiny, "reference", "float32")
+    params = SamplingParams(
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        repetition_penalty=1.1,
+        max_tokens=24,
+        ignore_eos=True,
+        seed=7,
+        logprobs=3,
+    )
+    prompts = [{"prompt_token_ids": p} for p in _prompts((3, 17, 33, 5, 60))]
+    first = fused.generate(prompts, params)
+    again = fused.generate(prompts, params)
+    theirs = ref.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    same = sum(
+        a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(first, theirs, strict=True)
+    )
+    assert same >= 4, same
+    for out in first:
+        sample = out.outputs[0]
+        assert len(sample.token_ids) == params.max_tokens
+        assert sample.logprobs is not None and len(sample.logprobs) == params.max_tokens
+        for tok, lp in zip(sample.token_ids, sample.logprobs, strict=True):
+            assert lp.token_id == tok and lp.rank >= 1 and len(lp.top) == 3
+            values = [lp.logprob] + [v for _, v in lp.top]
+            assert all(math.isfinite(v) and v <= 0 for v in values), lp
+    assert fused.engine.executor.runner.graphs.replays > 0
     assert_pool_clean(fused.engine)
