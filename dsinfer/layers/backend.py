@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import INT8_ACTIVATIONS
-from dsinfer.layers.kernels import FUSED_CPU, REFERENCE, Kernels
+from dsinfer.layers.kernels import FUSED_ACCELERATOR, FUSED_CPU, REFERENCE, Kernels
 from dsinfer.layers.kernels.cpu_build import load_cpu_ops
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,11 @@ def resolve_backend(requested: str, device: torch.device) -> BackendChoice:
     return BackendChoice("fused", f"auto: fused kernels for {device.type}")
 
 
-def kernels_of(name: str, int8_activations: str = "none") -> Kernels:
-    kernels = FUSED_CPU if name == "fused" else REFERENCE
+def kernels_of(name: str, int8_activations: str = "none", device_type: str = "cpu") -> Kernels:
+    if name != "fused":
+        kernels = REFERENCE
+    else:
+        kernels = FUSED_CPU if device_type == "cpu" else FUSED_ACCELERATOR
     if int8_activations == "none":
         return kernels
     return dataclasses.replace(kernels, int8_activations=int8_activations)
@@ -106,7 +109,7 @@ def apply_backend(
     activations for the int4 layers the policy names (a ValueError where it cannot run)."""
     choice = resolve_backend(requested, device)
     int8 = resolve_int8_activations(int8_activations, choice.name, device)
-    kernels = kernels_of(choice.name, int8)
+    kernels = kernels_of(choice.name, int8, device.type)
     for module in model.modules():
         use = getattr(module, "use_kernels", None)
         if use is not None:

@@ -811,3 +811,29 @@ def test_int4_int8_activations_kernel_is_llama_cpps_arithmetic(rows: int) -> Non
     i16 = torch.ops.dsinfer.int4_bf16_linear(x, codes, sz)
     i8 = torch.ops.dsinfer.int4_i8_linear(x, codes, sz)
     assert (i8.double() - exact).abs().mean() > 4 * (i16.double() - exact).abs().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_accelerator_set_norms_as_the_reference_does(dtype: torch.dtype) -> None:
+    """Off the CPU the fused backend takes torch's RMSNorm (one fused kernel on CUDA): on the
+    same rows it gives the reference's norm to fp32 rounding in fp32 and within one bf16 ulp
+    in bf16 (one rounding instead of two), and the same residual sum."""
+    from dsinfer.layers.backend import kernels_of
+    from dsinfer.layers.kernels import FUSED_ACCELERATOR, FUSED_CPU, REFERENCE
+
+    assert kernels_of("fused", device_type="cuda") is FUSED_ACCELERATOR
+    assert kernels_of("fused", device_type="npu") is FUSED_ACCELERATOR
+    assert kernels_of("fused", device_type="cpu") is FUSED_CPU
+    assert kernels_of("reference", device_type="cuda") is REFERENCE
+    g = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(5, 96, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    ulp = 1e-6 if dtype == torch.float32 else 2**-7  # relative
+    want = REFERENCE.rms_norm(x, w, 1e-6).float()
+    got = FUSED_ACCELERATOR.rms_norm(x, w, 1e-6).float()
+    assert ((got - want).abs() <= ulp * want.abs() + 1e-6).all()
+    (got_n, got_sum), (want_n, want_sum) = (
+        k.add_rms_norm(x, res, w, 1e-6) for k in (FUSED_ACCELERATOR, REFERENCE)
+    )
+    assert torch.equal(got_sum, want_sum)
+    assert ((got_n.float() - want_n.float()).abs() <= ulp * want_n.float().abs() + 1e-6).all()

@@ -2,7 +2,8 @@
 and the arithmetic its quantised matmuls use (int8 activations or not).
 
 `reference` is plain torch and the oracle of every test; `fused` calls the C++ kernels of
-cpu_ops.cpp (built once per machine by cpu_build). Layers hold a kernel set and are switched
+cpu_ops.cpp on the CPU (built once per machine by cpu_build), and on an accelerator torch's own
+fused kernels where it has them (FUSED_ACCELERATOR). Layers hold a kernel set and are switched
 after loading by `dsinfer.layers.backend.apply_backend`; models never name one.
 """
 
@@ -92,3 +93,22 @@ def _fused_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 FUSED_CPU = Kernels("fused", _fused_rms_norm, _fused_add_rms_norm, _fused_silu_and_mul)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # torch's RMSNorm: one fused kernel on CUDA (aten::_fused_rms_norm) where the reference's
+    # spelled-out norm is six (cast, square, mean, rsqrt, scale, weight); statistics in fp32
+    # either way, the output rounded once instead of twice (within one bf16 ulp of it).
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _torch_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + residual
+    return _torch_rms_norm(x, weight, eps), x
+
+
+# The fused backend's set off the CPU (no C++ kernels there): in a CUDA decode step each norm
+# is one kernel of a graph, not six (not yet measured on a GPU).
+FUSED_ACCELERATOR = Kernels("fused", _torch_rms_norm, _torch_add_rms_norm, _silu_and_mul)
