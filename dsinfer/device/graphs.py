@@ -66,7 +66,8 @@ class _RecordedGraph:
         # The recording reads the tensors fn closes over by address at every replay, and
         # nothing else refers to some of them (decode_graphs' span of positions for the mask):
         # dropped with fn, their memory would go to the next step's tensors while the graph
-        # still read it. Found on an H100: replayed logits off by their own size.
+        # still read it: the cause found for replayed logits off by their own size on an H100
+        # (session 28; the fix not yet re-run there).
         self._fn = fn
         mod = self._mod
         side = mod.Stream()
