@@ -369,6 +369,9 @@ class _AddressGraph:
     def __init__(self) -> None:
         self.reads: list[weakref.ref] = []
 
+    def recording(self) -> TorchDispatchMode:
+        return _ReadsFromOutside(self.reads)
+
     def replay(self) -> None:
         pass
 
@@ -376,10 +379,62 @@ class _AddressGraph:
         return sum(r() is None for r in self.reads)
 
 
-class _AddressGraphAPI:
-    """torch.cuda's graph API as device/graphs.py uses it, with _AddressGraph's recordings."""
+class _Recording(TorchDispatchMode):
+    """Every aten op a recording runs, with the very tensors it ran on."""
 
-    NPUGraph = _AddressGraph
+    def __init__(self, ops: list) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+
+def _shares_storage(out: object, args: object) -> bool:
+    """Whether an op's tensor output is a view of one of its tensor inputs (reshape, to and
+    contiguous may return either a view or a copy: what they did is what counts)."""
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    ins = {t.untyped_storage().data_ptr() for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+    return bool(outs) and all(t.untyped_storage().data_ptr() in ins for t in outs)
+
+
+class _ReplayingGraph:
+    """A CUDA graph's stand-in that replays: the aten ops of the recording run again on the
+    tensors they were recorded on, in order, each new result copied into the tensor it made
+    when recorded; ops that write their inputs run again in place; views need nothing (they
+    show what was written below them). No Python of the captured function runs again, so any
+    value it took from the host while recording (a length, a branch) stays as recorded, as in
+    a CUDA graph. (It holds what it recorded: freed inputs are _AddressGraph's check.)"""
+
+    def __init__(self) -> None:
+        self.ops: list = []
+
+    def recording(self) -> TorchDispatchMode:
+        return _Recording(self.ops)
+
+    def replay(self) -> None:
+        for func, args, kwargs, out in self.ops:
+            writes = any(
+                a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments
+            )
+            if not writes and _shares_storage(out, (args, kwargs)):
+                continue  # a view: it reads what the ops before it wrote
+            fresh = func(*args, **kwargs)
+            if writes:
+                continue  # it wrote its inputs again
+            for kept, new in zip(tree_leaves(out), tree_leaves(fresh), strict=True):
+                if isinstance(kept, torch.Tensor):
+                    kept.copy_(new)
+
+
+class _GraphAPI:
+    """torch.cuda's graph API as device/graphs.py uses it, with one of the stand-ins above as
+    its CUDAGraph (it records while the `graph` context is open)."""
+
+    def __init__(self, graph_class: type) -> None:
+        self.NPUGraph = graph_class
 
     class Stream:
         def wait_stream(self, other: object) -> None:
@@ -395,8 +450,8 @@ class _AddressGraphAPI:
         pass
 
     @contextlib.contextmanager
-    def graph(self, g: _AddressGraph, pool: object = None) -> Iterator[None]:
-        with _ReadsFromOutside(g.reads):
+    def graph(self, g: _AddressGraph | _ReplayingGraph, pool: object = None) -> Iterator[None]:
+        with g.recording():
             yield
 
 
@@ -413,7 +468,7 @@ def test_what_a_recorded_graph_reads_outlives_its_capture(which, request, monkey
     from dsinfer.device import graphs as device_graphs
     from dsinfer.layers.attention.sdpa_paged import SdpaPagedAttention
 
-    api = _AddressGraphAPI()
+    api = _GraphAPI(_AddressGraph)
     monkeypatch.setattr(
         "dsinfer.worker.decode_graphs.new_step_graph",
         lambda device: device_graphs._RecordedGraph(api, None),
@@ -446,3 +501,38 @@ def test_what_a_recorded_graph_reads_outlives_its_capture(which, request, monkey
         assert gone() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_sdpa", "tiny_mla", "tiny_moe_grouped"])
+def test_frozen_replays_sample_what_eager_steps_sample(which, request, monkeypatch) -> None:  # noqa: ANN001
+    """The runner with graphs that replay as a CUDA graph does (recorded kernels on recorded
+    tensors, no Python run again: _ReplayingGraph) samples, step for step, what the eager
+    runner samples, over a batch that shrinks from the 4-row bucket to the 2-row one and
+    contexts that cross context buckets. Llama with the reference and the SDPA attention,
+    DeepSeek's MLA, and its routed experts through the grouped GEMM."""
+    from dsinfer.device import graphs as device_graphs
+    from dsinfer.layers.moe import RoutedExperts
+
+    api = _GraphAPI(_ReplayingGraph)
+    monkeypatch.setattr(
+        "dsinfer.worker.decode_graphs.new_step_graph",
+        lambda device: device_graphs._RecordedGraph(api, None),
+    )
+    if which == "tiny_moe_grouped":  # as on a GPU whose grouped GEMM reads nothing back:
+        grouped = RoutedExperts.use_grouped_mm  # every runner's backend keeps the grouped path
+        monkeypatch.setattr(RoutedExperts, "use_grouped_mm", lambda self, on: grouped(self, True))
+    llm = request.getfixturevalue("tiny" if which == "tiny_sdpa" else which)
+    eager, graphed = _runner(llm, graphs=False), _runner(llm, graphs=True)
+    if which == "tiny_sdpa":  # CUDA's fused MHA (it runs on the CPU too), in both runners
+        for layer in graphed.model.model.layers:
+            attn = layer.self_attn.attn.rebuilt("fused", "cuda")
+            monkeypatch.setattr(layer.self_attn, "attn", attn)
+    assert graphed.graphs is not None
+    g = torch.Generator().manual_seed(0)
+    vocab = graphed.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 9, 14)]
+    want = _greedy_steps(eager, prompts, 12)
+    got = _greedy_steps(graphed, prompts, 12)
+    assert graphed.graphs.replays == 12
+    assert len(graphed.graphs.graphs) >= 2  # more than one bucket recorded and replayed
+    assert got == want
