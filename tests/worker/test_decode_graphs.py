@@ -9,18 +9,15 @@ tests/worker/test_decode_graphs_gpu.py (marked gpu)."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from dsinfer import LLM
 from dsinfer.config import CacheConfig
@@ -32,6 +29,7 @@ from dsinfer.worker.decode_graphs import DecodeGraphs, bucket_for, buckets_up_to
 from dsinfer.worker.input_batch import build_model_input
 from dsinfer.worker.model_runner import ModelRunner
 from dsinfer.worker.step_io import NewRequestData, ScheduledSeq, SchedulerOutput
+from tests.graph_doubles import AddressGraph, ReplayingGraph, record_graphs
 from tests.helpers import DEEPSEEK_CASES, DEEPSEEK_COMMON, save_and_load, tiny_llama_dir
 
 BS = 4  # block size: sequences of 5-17 tokens span 2-5 blocks, so context buckets change
@@ -341,120 +339,6 @@ def test_the_trace_sees_the_routed_experts_read_back_and_the_grouped_gemm_not() 
     assert "aten::_grouped_mm" in names and not names & HOST_READS, names & HOST_READS
 
 
-class _ReadsFromOutside(TorchDispatchMode):
-    """Weak references to every tensor a recording reads that it did not make itself: what a
-    recorded graph reads by address at each replay (it holds no reference to them)."""
-
-    def __init__(self, reads: list[weakref.ref]) -> None:
-        super().__init__()
-        self.reads = reads
-        self.made: set[int] = set()
-        self.seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and id(t) not in self.made | self.seen:
-                self.seen.add(id(t))
-                self.reads.append(weakref.ref(t))
-        self.made.update(id(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-        return out
-
-
-class _AddressGraph:
-    """A CUDA graph's stand-in: replay does nothing; it knows which tensors from outside the
-    recording it would read, and which of them have been freed since (memory that a real
-    graph would go on reading after the allocator gave it to someone else)."""
-
-    def __init__(self) -> None:
-        self.reads: list[weakref.ref] = []
-
-    def recording(self) -> TorchDispatchMode:
-        return _ReadsFromOutside(self.reads)
-
-    def replay(self) -> None:
-        pass
-
-    def freed(self) -> int:
-        return sum(r() is None for r in self.reads)
-
-
-class _Recording(TorchDispatchMode):
-    """Every aten op a recording runs, with the very tensors it ran on."""
-
-    def __init__(self, ops: list) -> None:
-        super().__init__()
-        self.ops = ops
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        self.ops.append((func, args, kwargs or {}, out))
-        return out
-
-
-def _shares_storage(out: object, args: object) -> bool:
-    """Whether an op's tensor output is a view of one of its tensor inputs (reshape, to and
-    contiguous may return either a view or a copy: what they did is what counts)."""
-    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    ins = {t.untyped_storage().data_ptr() for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
-    return bool(outs) and all(t.untyped_storage().data_ptr() in ins for t in outs)
-
-
-class _ReplayingGraph:
-    """A CUDA graph's stand-in that replays: the aten ops of the recording run again on the
-    tensors they were recorded on, in order, each new result copied into the tensor it made
-    when recorded; ops that write their inputs run again in place; views need nothing (they
-    show what was written below them). No Python of the captured function runs again, so any
-    value it took from the host while recording (a length, a branch) stays as recorded, as in
-    a CUDA graph. (It holds what it recorded: freed inputs are _AddressGraph's check.)"""
-
-    def __init__(self) -> None:
-        self.ops: list = []
-
-    def recording(self) -> TorchDispatchMode:
-        return _Recording(self.ops)
-
-    def replay(self) -> None:
-        for func, args, kwargs, out in self.ops:
-            writes = any(
-                a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments
-            )
-            if not writes and _shares_storage(out, (args, kwargs)):
-                continue  # a view: it reads what the ops before it wrote
-            fresh = func(*args, **kwargs)
-            if writes:
-                continue  # it wrote its inputs again
-            for kept, new in zip(tree_leaves(out), tree_leaves(fresh), strict=True):
-                if isinstance(kept, torch.Tensor):
-                    kept.copy_(new)
-
-
-class _GraphAPI:
-    """torch.cuda's graph API as device/graphs.py uses it, with one of the stand-ins above as
-    its CUDAGraph (it records while the `graph` context is open)."""
-
-    def __init__(self, graph_class: type) -> None:
-        self.NPUGraph = graph_class
-
-    class Stream:
-        def wait_stream(self, other: object) -> None:
-            pass
-
-    def current_stream(self) -> Stream:
-        return self.Stream()
-
-    def stream(self, s: object) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def synchronize(self) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def graph(self, g: _AddressGraph | _ReplayingGraph, pool: object = None) -> Iterator[None]:
-        with g.recording():
-            yield
-
-
 @pytest.mark.parametrize("which", ["tiny", "tiny_sdpa", "tiny_mla", "tiny_moe_grouped"])
 @torch.inference_mode()
 def test_what_a_recorded_graph_reads_outlives_its_capture(which, request, monkeypatch) -> None:  # noqa: ANN001
@@ -465,14 +349,9 @@ def test_what_a_recorded_graph_reads_outlives_its_capture(which, request, monkey
     code with a stand-in for torch.cuda: every such tensor is still alive after capture. The
     models: Llama with the reference MHA and with CUDA's (SDPA), DeepSeek's MLA, and its
     routed experts through the grouped GEMM."""
-    from dsinfer.device import graphs as device_graphs
     from dsinfer.layers.attention.sdpa_paged import SdpaPagedAttention
 
-    api = _GraphAPI(_AddressGraph)
-    monkeypatch.setattr(
-        "dsinfer.worker.decode_graphs.new_step_graph",
-        lambda device: device_graphs._RecordedGraph(api, None),
-    )
+    record_graphs(monkeypatch, AddressGraph)
     runner = request.getfixturevalue(
         "tiny" if which == "tiny_sdpa" else which
     ).engine.executor.runner
@@ -506,18 +385,13 @@ def test_what_a_recorded_graph_reads_outlives_its_capture(which, request, monkey
 @pytest.mark.parametrize("which", ["tiny", "tiny_sdpa", "tiny_mla", "tiny_moe_grouped"])
 def test_frozen_replays_sample_what_eager_steps_sample(which, request, monkeypatch) -> None:  # noqa: ANN001
     """The runner with graphs that replay as a CUDA graph does (recorded kernels on recorded
-    tensors, no Python run again: _ReplayingGraph) samples, step for step, what the eager
+    tensors, no Python run again: ReplayingGraph) samples, step for step, what the eager
     runner samples, over a batch that shrinks from the 4-row bucket to the 2-row one and
     contexts that cross context buckets. Llama with the reference and the SDPA attention,
     DeepSeek's MLA, and its routed experts through the grouped GEMM."""
-    from dsinfer.device import graphs as device_graphs
     from dsinfer.layers.moe import RoutedExperts
 
-    api = _GraphAPI(_ReplayingGraph)
-    monkeypatch.setattr(
-        "dsinfer.worker.decode_graphs.new_step_graph",
-        lambda device: device_graphs._RecordedGraph(api, None),
-    )
+    record_graphs(monkeypatch, ReplayingGraph)
     if which == "tiny_moe_grouped":  # as on a GPU whose grouped GEMM reads nothing back:
         grouped = RoutedExperts.use_grouped_mm  # every runner's backend keeps the grouped path
         monkeypatch.setattr(RoutedExperts, "use_grouped_mm", lambda self, on: grouped(self, True))
