@@ -311,3 +311,20 @@ def run_fresh_python(source: str) -> str:
     return subprocess.run(
         [sys.executable, "-c", source], capture_output=True, text=True, check=True
     ).stdout
+
+
+def staggered_generate(llm, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:  # noqa: ANN001
+    """One new request an engine step, so that requests join a running batch at different
+    steps; each prompt's tokens, in the prompts' order."""
+    eng = llm.engine
+    pending = list(enumerate(prompts))
+    ids: dict[str, int] = {}
+    done: dict[int, list[int]] = {}
+    while pending or eng.has_unfinished_requests():
+        if pending:
+            i, p = pending.pop(0)
+            ids[eng.add_request(p, params)] = i
+        for out in eng.step():
+            if out.finished:
+                done[ids[out.request_id]] = out.outputs[0].token_ids
+    return [done[i] for i in range(len(prompts))]

@@ -14,7 +14,7 @@ import torch
 
 from dsinfer import LLM, SamplingParams
 from tests.graph_doubles import ReplayingGraph, record_graphs
-from tests.helpers import VOCAB, assert_pool_clean, tiny_llama_dir
+from tests.helpers import VOCAB, assert_pool_clean, staggered_generate, tiny_llama_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -40,22 +40,6 @@ def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def _staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """One new request a step, so requests join a running batch at different steps."""
-    eng = llm.engine
-    pending = list(enumerate(prompts))
-    ids: dict[str, int] = {}
-    done: dict[int, list[int]] = {}
-    while pending or eng.has_unfinished_requests():
-        if pending:
-            i, p = pending.pop(0)
-            ids[eng.add_request(p, params)] = i
-        for out in eng.step():
-            if out.finished:
-                done[ids[out.request_id]] = out.outputs[0].token_ids
-    return [done[i] for i in range(len(prompts))]
-
-
 def _replays(llm: LLM) -> int:
     return llm.engine.executor.runner.graphs.replays
 
@@ -63,8 +47,8 @@ def _replays(llm: LLM) -> int:
 def test_staggered_arrivals_replay_what_eager_steps_give(tiny, monkeypatch) -> None:  # noqa: ANN001
     eager, graphed = _pair(tiny, monkeypatch, num_blocks=128)
     prompts = _prompts((5, 17, 3, 30, 9, 12))
-    want = _staggered(eager, prompts, GREEDY)
-    got = _staggered(graphed, prompts, GREEDY)
+    want = staggered_generate(eager, prompts, GREEDY)
+    got = staggered_generate(graphed, prompts, GREEDY)
     assert got == want
     assert _replays(graphed) >= 15  # the steps after the last arrival's prefill
     runner = graphed.engine.executor.runner
@@ -79,8 +63,8 @@ def test_chunked_prefill_and_preemption_replay_what_eager_steps_give(tiny, monke
         tiny, monkeypatch, num_blocks=24, max_num_batched_tokens=8, enable_prefix_caching=False
     )
     prompts = _prompts((5, 17, 3, 30, 9, 12), seed=1)
-    want = _staggered(eager, prompts, GREEDY)
-    got = _staggered(graphed, prompts, GREEDY)
+    want = staggered_generate(eager, prompts, GREEDY)
+    got = staggered_generate(graphed, prompts, GREEDY)
     assert graphed.engine.scheduler.num_preemptions > 0
     assert eager.engine.scheduler.num_preemptions == graphed.engine.scheduler.num_preemptions
     assert got == want

@@ -17,6 +17,7 @@ from tests.helpers import (
     agree_or_near_tie,
     assert_pool_clean,
     decode_logits,
+    staggered_generate,
     tiny_llama_dir,
 )
 
@@ -184,3 +185,25 @@ def test_seeded_sampling_with_logprobs_on_cuda(tiny) -> None:  # noqa: ANN001
             assert all(math.isfinite(v) and v <= 0 for v in values), lp
     assert fused.engine.executor.runner.graphs.replays > 0
     assert_pool_clean(fused.engine)
+
+
+def test_engine_with_graphs_batches_chunks_and_preempts_as_it_does_eagerly(tiny) -> None:  # noqa: ANN001
+    """Requests arriving a step apart, prefill chunks of 8 and a pool too small for all of
+    them (preemptions), fp32: the fused engine replaying graphs gives the tokens the same
+    engine gives stepping eagerly (up to near-ties: a padded batch may round differently),
+    and every block goes back."""
+    opts = dict(num_blocks=24, block_size=4, max_num_batched_tokens=8, enable_prefix_caching=False)
+    graphed = LLM(str(tiny), device="cuda", backend="fused", dtype="float32", **opts)
+    eager = LLM(
+        str(tiny), device="cuda", backend="fused", dtype="float32", step_program=False, **opts
+    )
+    assert graphed.engine.executor.runner.graphs is not None
+    prompts = _prompts((5, 17, 3, 30, 9, 12))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    got = staggered_generate(graphed, prompts, params)
+    want = staggered_generate(eager, prompts, params)
+    assert graphed.engine.scheduler.num_preemptions > 0
+    assert graphed.engine.executor.runner.graphs.replays > 0
+    for p, a, b in zip(prompts, got, want, strict=True):
+        assert agree_or_near_tie(eager.engine, p, a, b), (p, a, b)
+    assert_pool_clean(graphed.engine)
