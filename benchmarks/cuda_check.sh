@@ -3,11 +3,13 @@
 # never CI): the gpu-marked tests (fused vs reference on the GPU, decode graphs replayed, routed
 # experts in graphs), benchmarks/graph_probe.py (where a replay parts from eager, if it does)
 # and two decodes against the HBM roofline (benchmarks/cuda_decode.py): the
-# 7B (Llama shape) and DeepSeek-V2-Lite (MLA, DeepSeekMoE), fused vs reference. Needs .cuda/
+# 7B (Llama shape) and DeepSeek-V2-Lite (MLA, DeepSeekMoE), fused vs reference, then
+# benchmarks/cuda_variants.py (candidate changes to the fused step, timed). Needs .cuda/
 # from benchmarks/cuda_prepare.sh. Each part has its own time limit, so that one hung part
 # leaves the others' results; logs, JSON and the fused decodes' kernel tables go to $OUT (7
 # files: the device tool brings back 8 at most).
-#   run(command="bash benchmarks/cuda_check.sh", carry=[".cuda"], timeout_s=420)
+#   run(command="bash benchmarks/cuda_check.sh", carry=[".cuda"], timeout_s=540)
+# (the first run, without the profiles and variants, took 72 s of the machine's time.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/cuda_check}
@@ -37,4 +39,8 @@ timeout 120 python3 benchmarks/cuda_decode.py --config deepseek-v2-lite \
     --json "$out/cuda_decode_v2_lite.json" --profile "$out" 2>&1 \
     | tee "$out/cuda_decode_v2_lite.log"
 echo "V2-Lite decode: exit ${PIPESTATUS[0]}" | tee -a "$out/checks.log"
-grep -E "^(torch|gpu tests|7B|V2-Lite|batch|  batch|NVIDIA|worst)" "$out"/*.log
+# Candidate changes to the fused step, timed one after another (7B shape): last, so that the
+# checks above have run whatever this costs.
+(cd benchmarks && timeout 200 python3 cuda_variants.py --tokenizer ../.cuda/tokenizer) 2>&1 \
+    | grep -v "torch/_dynamo" | tee -a "$out/checks.log"
+grep -E "^(torch|gpu tests|7B|V2-Lite|batch|  batch|NVIDIA|worst|fused|reference)" "$out"/*.log
