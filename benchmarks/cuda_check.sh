@@ -4,7 +4,8 @@
 # experts in graphs), benchmarks/graph_probe.py (where a replay parts from eager, if it does)
 # and two decodes against the HBM roofline (benchmarks/cuda_decode.py): the
 # 7B (Llama shape) and DeepSeek-V2-Lite (MLA, DeepSeekMoE), fused vs reference, then
-# benchmarks/cuda_variants.py (candidate changes to the fused step, timed). Needs .cuda/
+# `dsinfer serve` on CUDA under `dsinfer bench serve`, then benchmarks/cuda_variants.py
+# (candidate changes to the fused step, timed). Needs .cuda/
 # from benchmarks/cuda_prepare.sh. Each part has its own time limit, so that one hung part
 # leaves the others' results; logs, JSON and the fused decodes' kernel tables go to $OUT (7
 # files: the device tool brings back 8 at most).
@@ -39,8 +40,29 @@ timeout 120 python3 benchmarks/cuda_decode.py --config deepseek-v2-lite \
     --json "$out/cuda_decode_v2_lite.json" --profile "$out" 2>&1 \
     | tee "$out/cuda_decode_v2_lite.log"
 echo "V2-Lite decode: exit ${PIPESTATUS[0]}" | tee -a "$out/checks.log"
+# Served on CUDA: the OpenAI-compatible server on the 7B shape (random weights), and dsinfer's
+# own load generator at 1 and 16 streams (128 tokens in, 64 out).
+python3 -m dsinfer.cli serve benchmarks/configs/deepseek-llm-7b-base --random-weights \
+    --device cuda --tokenizer .cuda/tokenizer --port 8011 > /tmp/serve.log 2>&1 &
+server=$!
+python3 - <<'PY'
+import time, urllib.request
+for _ in range(120):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=1)
+        break
+    except OSError:
+        time.sleep(1)
+PY
+for c in 1 16; do
+    timeout 90 python3 -m dsinfer.cli bench serve --url http://127.0.0.1:8011 --concurrency $c \
+        --num-requests $((4 * c)) --input-len 128 --output-len 64 2>&1 | grep -v " INFO " \
+        | tee -a "$out/checks.log"
+done
+kill $server; wait $server 2>/dev/null
+echo "server log, last lines:" >> "$out/checks.log"; tail -15 /tmp/serve.log >> "$out/checks.log"
 # Candidate changes to the fused step, timed one after another (7B shape): last, so that the
 # checks above have run whatever this costs.
 (cd benchmarks && timeout 200 python3 cuda_variants.py --tokenizer ../.cuda/tokenizer) 2>&1 \
     | grep -v "torch/_dynamo" | tee -a "$out/checks.log"
-grep -E "^(torch|gpu tests|7B|V2-Lite|batch|  batch|NVIDIA|worst|fused|reference)" "$out"/*.log
+grep -E "^(torch|gpu tests|7B|V2-Lite|batch|  batch|NVIDIA|worst|fused|reference|url|throughput|TTFT|ITL)" "$out"/*.log
