@@ -313,9 +313,9 @@ def run_fresh_python(source: str) -> str:
     ).stdout
 
 
-def staggered_generate(llm, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:  # noqa: ANN001
+def staggered_generate(llm, prompts: list, params: SamplingParams) -> list[list[int]]:  # noqa: ANN001
     """One new request an engine step, so that requests join a running batch at different
-    steps; each prompt's tokens, in the prompts' order."""
+    steps; each prompt's tokens (prompts: texts or token ids), in the prompts' order."""
     eng = llm.engine
     pending = list(enumerate(prompts))
     ids: dict[str, int] = {}

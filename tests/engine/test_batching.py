@@ -7,7 +7,7 @@ import pytest
 
 from dsinfer import LLM, SamplingParams
 from tests.conftest import PROMPTS
-from tests.helpers import agree_or_near_tie, assert_pool_clean
+from tests.helpers import agree_or_near_tie, assert_pool_clean, staggered_generate
 
 N_NEW = 16  # enough steps for arrivals, chunks and preemptions to interleave
 BATCH = PROMPTS[:6]  # six requests of different lengths joining at different steps
@@ -20,23 +20,7 @@ def alone(smol_llm) -> list[list[int]]:
     return [smol_llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in BATCH]
 
 
-def _staggered(llm: LLM) -> dict[str, list[int]]:
-    """Add one prompt per engine step, so requests join a running batch at different steps."""
-    eng = llm.engine
-    pending = list(enumerate(BATCH))
-    ids: dict[str, int] = {}
-    done: dict[int, list[int]] = {}
-    while pending or eng.has_unfinished_requests():
-        if pending:
-            i, p = pending.pop(0)
-            ids[eng.add_request(p, GREEDY)] = i
-        for out in eng.step():
-            if out.finished:
-                done[ids[out.request_id]] = out.outputs[0].token_ids
-    return done
-
-
-def _check(llm: LLM, got: dict[int, list[int]], alone: list[list[int]]) -> None:
+def _check(llm: LLM, got: list[list[int]], alone: list[list[int]]) -> None:
     for i, p in enumerate(BATCH):
         prompt_ids = llm.tokenizer.encode(p)
         assert len(got[i]) == N_NEW
@@ -45,7 +29,7 @@ def _check(llm: LLM, got: dict[int, list[int]], alone: list[list[int]]) -> None:
 
 
 def test_staggered_arrivals_match_unbatched(smol_llm, alone):
-    _check(smol_llm, _staggered(smol_llm), alone)
+    _check(smol_llm, staggered_generate(smol_llm, BATCH, GREEDY), alone)
 
 
 def test_chunked_prefill_and_tiny_pool_preemption_match_unbatched(alone):
@@ -58,7 +42,7 @@ def test_chunked_prefill_and_tiny_pool_preemption_match_unbatched(alone):
         max_num_batched_tokens=8,
         enable_prefix_caching=False,
     )
-    got = _staggered(llm)
+    got = staggered_generate(llm, BATCH, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     _check(llm, got, alone)
 
