@@ -110,6 +110,7 @@ class GraphAPI:
     its CUDAGraph (it records while the `graph` context is open)."""
 
     def __init__(self, graph_class: type) -> None:
+        # device/graphs.py takes NPUGraph from any graph module but torch.cuda itself.
         self.NPUGraph = graph_class
 
     class Stream:
