@@ -59,7 +59,9 @@ for c in 1 16; do
         --num-requests $((4 * c)) --input-len 128 --output-len 64 2>&1 | grep -v " INFO " \
         | tee -a "$out/checks.log"
 done
-kill $server; wait $server 2>/dev/null
+kill $server
+for _ in $(seq 1 15); do kill -0 $server 2>/dev/null || break; sleep 1; done
+kill -9 $server 2>/dev/null  # a server that would not stop must not hold the run
 echo "server log, last lines:" >> "$out/checks.log"; tail -15 /tmp/serve.log >> "$out/checks.log"
 # Candidate changes to the fused step, timed one after another (7B shape): last, so that the
 # checks above have run whatever this costs.
