@@ -7,6 +7,9 @@ before it is made the default.
   norm): what the fused norm is worth.
 - `fused-compiled-layers`: every decoder layer's forward through torch.compile (inductor's
   fused kernels), inside the same CUDA graphs: what a compiled step would be worth.
+- `fused-context-buckets-of-4`: the same graphs over context buckets of every 4 blocks
+  instead of powers of two (less padding gathered and attended: at 129-176 tokens of context
+  a step attends over 12 blocks instead of 16), at the price of more graphs to record.
 - `reference`: eager, the baseline.
 
 Each variant's error, if it fails, is printed and the next one runs.
@@ -30,7 +33,13 @@ from dsinfer import LLM
 from dsinfer.layers.kernels import REFERENCE
 from dsinfer.layers.norm import RMSNorm
 
-VARIANTS = ("fused", "fused-reference-norms", "fused-compiled-layers", "reference")
+VARIANTS = (
+    "fused",
+    "fused-reference-norms",
+    "fused-context-buckets-of-4",
+    "fused-compiled-layers",
+    "reference",
+)
 
 
 def _reference_norms(llm: LLM) -> None:
@@ -39,6 +48,14 @@ def _reference_norms(llm: LLM) -> None:
             m.kernels = dataclasses.replace(
                 m.kernels, rms_norm=REFERENCE.rms_norm, add_rms_norm=REFERENCE.add_rms_norm
             )
+
+
+def _context_buckets_of(llm: LLM, step: int) -> None:
+    graphs = llm.engine.executor.runner.graphs
+    assert graphs is not None and not graphs.graphs, "set before the first graph is recorded"
+    most = graphs.context_buckets[-1]
+    small = [b for b in graphs.context_buckets if b < step]
+    graphs.context_buckets = tuple(sorted({*small, *range(step, most, step), most}))
 
 
 def _compiled_layers(llm: LLM) -> None:
@@ -80,6 +97,8 @@ def main() -> int:
             )
             if variant == "fused-reference-norms":
                 _reference_norms(llm)
+            elif variant == "fused-context-buckets-of-4":
+                _context_buckets_of(llm, 4)
             elif variant == "fused-compiled-layers":
                 _compiled_layers(llm)
             for batch in batches:
