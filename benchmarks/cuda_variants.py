@@ -52,7 +52,8 @@ def _reference_norms(llm: LLM) -> None:
 
 def _context_buckets_of(llm: LLM, step: int) -> None:
     graphs = llm.engine.executor.runner.graphs
-    assert graphs is not None and not graphs.graphs, "set before the first graph is recorded"
+    assert graphs is not None, "no decode graphs here (they are recorded on CUDA)"
+    assert not graphs.graphs, "buckets are set before the first graph is recorded"
     most = graphs.context_buckets[-1]
     small = [b for b in graphs.context_buckets if b < step]
     graphs.context_buckets = tuple(sorted({*small, *range(step, most, step), most}))
