@@ -77,8 +77,19 @@ class _RecordedGraph:
                 fn()
         mod.current_stream().wait_stream(side)
         mod.synchronize()
-        graph = mod.CUDAGraph() if mod is torch.cuda else mod.NPUGraph()
-        with mod.graph(graph, pool=self._pool):
+        if mod is torch.cuda:
+            graph = mod.CUDAGraph()
+            # "thread_local": an action that capture forbids (a cudaMalloc, a sync) fails on
+            # this thread only. torch's default, "global", fails it on every thread, so one
+            # engine recording a new bucket would fail the step another engine of the same
+            # process (a second model, a canary's other version) runs meanwhile. The capture
+            # stream is one of torch's non-blocking streams: other threads' work on theirs
+            # cannot join the recording.
+            recording = mod.graph(graph, pool=self._pool, capture_error_mode="thread_local")
+        else:
+            graph = mod.NPUGraph()
+            recording = mod.graph(graph, pool=self._pool)
+        with recording:
             self._out = fn()
         self._graph = graph
         return self._out

@@ -207,3 +207,38 @@ def test_engine_with_graphs_batches_chunks_and_preempts_as_it_does_eagerly(tiny)
     for p, a, b in zip(prompts, got, want, strict=True):
         assert agree_or_near_tie(eager.engine, p, a, b), (p, a, b)
     assert_pool_clean(graphed.engine)
+
+
+def test_two_engines_step_while_one_records_its_graphs(tiny) -> None:  # noqa: ANN001
+    """Two engines on one GPU, each stepping on its own thread (a server's second model, a
+    canary's other version): one records its graphs for the first time while the other
+    steps, prefills and allocates. Capture errors only on its own thread ("thread_local"), so
+    neither fails, and each gives the tokens the first gave alone."""
+    import threading
+
+    first, second = _llm(tiny, "fused", "float32"), _llm(tiny, "fused", "float32")
+    prompts = [{"prompt_token_ids": p} for p in _prompts((3, 17, 33, 5, 60))]
+    alone = [o.outputs[0].token_ids for o in first.generate(prompts, GREEDY)]
+    others = [{"prompt_token_ids": p} for p in _prompts((41, 9, 77, 23, 2, 50, 31))]
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str, llm: LLM, work: list, rounds: int) -> None:
+        try:
+            for _ in range(rounds):
+                results[name] = [o.outputs[0].token_ids for o in llm.generate(work, GREEDY)]
+        except BaseException as e:  # noqa: BLE001  (reported below, from the test's thread)
+            errors.append(e)
+
+    busy = threading.Thread(target=run, args=("busy", first, others, 3))
+    recording = threading.Thread(target=run, args=("recording", second, prompts, 1))
+    busy.start()
+    recording.start()
+    busy.join()
+    recording.join()
+    assert not errors, errors
+    assert second.engine.executor.runner.graphs.replays > 0
+    assert results["recording"] == alone
+    assert results["busy"] == [o.outputs[0].token_ids for o in first.generate(others, GREEDY)]
+    assert_pool_clean(first.engine)
+    assert_pool_clean(second.engine)
