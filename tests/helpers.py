@@ -328,3 +328,9 @@ def staggered_generate(llm, prompts: list, params: SamplingParams) -> list[list[
             if out.finished:
                 done[ids[out.request_id]] = out.outputs[0].token_ids
     return [done[i] for i in range(len(prompts))]
+
+
+def random_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    """Seeded prompts of the given lengths over the tiny vocabulary (ids 3.. past the specials)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]

@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from dsinfer import LLM, SamplingParams
 from tests.graph_doubles import ReplayingGraph, record_graphs
-from tests.helpers import VOCAB, assert_pool_clean, staggered_generate, tiny_llama_dir
+from tests.helpers import assert_pool_clean, random_prompts, staggered_generate, tiny_llama_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -35,18 +34,13 @@ def _pair(tiny: Path, monkeypatch: pytest.MonkeyPatch, **options) -> tuple[LLM, 
     return eager, graphed
 
 
-def _prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
 def _replays(llm: LLM) -> int:
     return llm.engine.executor.runner.graphs.replays
 
 
 def test_staggered_arrivals_replay_what_eager_steps_give(tiny, monkeypatch) -> None:  # noqa: ANN001
     eager, graphed = _pair(tiny, monkeypatch, num_blocks=128)
-    prompts = _prompts((5, 17, 3, 30, 9, 12))
+    prompts = random_prompts((5, 17, 3, 30, 9, 12))
     want = staggered_generate(eager, prompts, GREEDY)
     got = staggered_generate(graphed, prompts, GREEDY)
     assert got == want
@@ -62,7 +56,7 @@ def test_chunked_prefill_and_preemption_replay_what_eager_steps_give(tiny, monke
     eager, graphed = _pair(
         tiny, monkeypatch, num_blocks=24, max_num_batched_tokens=8, enable_prefix_caching=False
     )
-    prompts = _prompts((5, 17, 3, 30, 9, 12), seed=1)
+    prompts = random_prompts((5, 17, 3, 30, 9, 12), seed=1)
     want = staggered_generate(eager, prompts, GREEDY)
     got = staggered_generate(graphed, prompts, GREEDY)
     assert graphed.engine.scheduler.num_preemptions > 0
@@ -74,8 +68,8 @@ def test_chunked_prefill_and_preemption_replay_what_eager_steps_give(tiny, monke
 
 def test_prefix_cache_hits_replay_what_eager_steps_give(tiny, monkeypatch) -> None:  # noqa: ANN001
     eager, graphed = _pair(tiny, monkeypatch, num_blocks=128, enable_prefix_caching=True)
-    shared = _prompts((24,), seed=2)[0]
-    prompts = [shared + tail for tail in _prompts((3, 7, 5), seed=3)]
+    shared = random_prompts((24,), seed=2)[0]
+    prompts = [shared + tail for tail in random_prompts((3, 7, 5), seed=3)]
     first = graphed.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     second = graphed.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert all(o.metrics.num_cached_tokens >= 20 for o in second)
@@ -90,7 +84,7 @@ def test_seeded_sampling_replays_what_eager_steps_give(tiny, monkeypatch) -> Non
     params = SamplingParams(
         temperature=0.9, top_p=0.9, top_k=40, n=2, seed=11, max_tokens=16, ignore_eos=True
     )
-    prompts = [{"prompt_token_ids": p} for p in _prompts((4, 13, 8), seed=4)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts((4, 13, 8), seed=4)]
     want = [[c.token_ids for c in o.outputs] for o in eager.generate(prompts, params)]
     got = [[c.token_ids for c in o.outputs] for o in graphed.generate(prompts, params)]
     assert got == want

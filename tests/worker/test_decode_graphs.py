@@ -339,6 +339,21 @@ def test_the_trace_sees_the_routed_experts_read_back_and_the_grouped_gemm_not() 
     assert "aten::_grouped_mm" in names and not names & HOST_READS, names & HOST_READS
 
 
+def _fixture_of(which: str) -> str:
+    """The fixture of a case: tiny_sdpa is the tiny Llama with CUDA's attention swapped in."""
+    return "tiny" if which == "tiny_sdpa" else which
+
+
+def _use_cuda_attention(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer's MHA rebuilt as the fused CUDA backend's (SDPA, which runs on the CPU too),
+    until the test ends."""
+    from dsinfer.layers.attention.sdpa_paged import SdpaPagedAttention
+
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer.self_attn, "attn", layer.self_attn.attn.rebuilt("fused", "cuda"))
+        assert isinstance(layer.self_attn.attn, SdpaPagedAttention)
+
+
 @pytest.mark.parametrize("which", ["tiny", "tiny_sdpa", "tiny_mla", "tiny_moe_grouped"])
 @torch.inference_mode()
 def test_what_a_recorded_graph_reads_outlives_its_capture(which, request, monkeypatch) -> None:  # noqa: ANN001
@@ -349,18 +364,11 @@ def test_what_a_recorded_graph_reads_outlives_its_capture(which, request, monkey
     code with a stand-in for torch.cuda: every such tensor is still alive after capture. The
     models: Llama with the reference MHA and with CUDA's (SDPA), DeepSeek's MLA, and its
     routed experts through the grouped GEMM."""
-    from dsinfer.layers.attention.sdpa_paged import SdpaPagedAttention
-
     record_graphs(monkeypatch, AddressGraph)
-    runner = request.getfixturevalue(
-        "tiny" if which == "tiny_sdpa" else which
-    ).engine.executor.runner
+    runner = request.getfixturevalue(_fixture_of(which)).engine.executor.runner
     model, caches = runner.model, runner.kv_caches
-    if which == "tiny_sdpa":  # CUDA's fused MHA, which also runs on the CPU
-        for layer in model.model.layers:
-            attn = layer.self_attn.attn
-            monkeypatch.setattr(layer.self_attn, "attn", attn.rebuilt("fused", "cuda"))
-            assert isinstance(layer.self_attn.attn, SdpaPagedAttention)
+    if which == "tiny_sdpa":
+        _use_cuda_attention(model, monkeypatch)
     graphs = DecodeGraphs(
         lambda ids, pos, meta: model(ids, pos, caches, meta), 63, BS, 4, 16, runner.device
     )
@@ -395,12 +403,10 @@ def test_frozen_replays_sample_what_eager_steps_sample(which, request, monkeypat
     if which == "tiny_moe_grouped":  # as on a GPU whose grouped GEMM reads nothing back:
         grouped = RoutedExperts.use_grouped_mm  # every runner's backend keeps the grouped path
         monkeypatch.setattr(RoutedExperts, "use_grouped_mm", lambda self, on: grouped(self, True))
-    llm = request.getfixturevalue("tiny" if which == "tiny_sdpa" else which)
+    llm = request.getfixturevalue(_fixture_of(which))
     eager, graphed = _runner(llm, graphs=False), _runner(llm, graphs=True)
-    if which == "tiny_sdpa":  # CUDA's fused MHA (it runs on the CPU too), in both runners
-        for layer in graphed.model.model.layers:
-            attn = layer.self_attn.attn.rebuilt("fused", "cuda")
-            monkeypatch.setattr(layer.self_attn, "attn", attn)
+    if which == "tiny_sdpa":  # after the runners: each applies the reference backend again
+        _use_cuda_attention(graphed.model, monkeypatch)  # the model both runners share
     assert graphed.graphs is not None
     g = torch.Generator().manual_seed(0)
     vocab = graphed.config.vocab_size

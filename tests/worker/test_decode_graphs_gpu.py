@@ -13,10 +13,10 @@ import torch
 
 from dsinfer import LLM, SamplingParams
 from tests.helpers import (
-    VOCAB,
     agree_or_near_tie,
     assert_pool_clean,
     decode_logits,
+    random_prompts,
     staggered_generate,
     tiny_llama_dir,
 )
@@ -47,11 +47,6 @@ def tiny(tmp_path_factory):  # noqa: ANN201
     return tiny_llama_dir(tmp_path_factory.mktemp("tiny"), num_layers=3, max_positions=256)
 
 
-def _prompts(lengths: tuple[int, ...]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
 @pytest.mark.parametrize("dtype", list(SAME_DTYPE_TOL))
 def test_fused_cuda_records_graphs_and_matches_the_reference(tiny, dtype: str) -> None:  # noqa: ANN001
     """Decode-path logits (through the graphs) at every position against the reference
@@ -63,7 +58,7 @@ def test_fused_cuda_records_graphs_and_matches_the_reference(tiny, dtype: str) -
     gpu_ref = _llm(tiny, "reference", dtype)
     assert gpu_ref.engine.executor.runner.graphs is None
     cpu_ref = _llm(tiny, "reference", "float32", device="cpu")
-    for ids in _prompts((7, 40)):
+    for ids in random_prompts((7, 40)):
         replays = runner.graphs.replays
         got = decode_logits(fused.engine, ids).float().cpu()
         assert runner.graphs.replays == replays + len(ids)
@@ -73,7 +68,7 @@ def test_fused_cuda_records_graphs_and_matches_the_reference(tiny, dtype: str) -
         if dtype == "float32":
             err = (got - decode_logits(cpu_ref.engine, ids)).abs().max().item()
             assert err <= 1e-3, (len(ids), err)
-    prompts = [{"prompt_token_ids": p} for p in _prompts((3, 17, 33, 5, 60))]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts((3, 17, 33, 5, 60))]
     ours = [o.outputs[0].token_ids for o in fused.generate(prompts, GREEDY)]
     theirs = [o.outputs[0].token_ids for o in gpu_ref.generate(prompts, GREEDY)]
     if dtype == "float32":
@@ -135,14 +130,14 @@ def test_routed_experts_run_inside_the_cuda_graphs(tmp_path) -> None:  # noqa: A
     runner = fused.engine.executor.runner
     assert runner.graphs is not None, "the routed experts kept the decode steps eager"
     eager = _llm(tmp_path, "fused", "bfloat16", step_program=False)
-    for ids in _prompts((7, 40)):
+    for ids in random_prompts((7, 40)):
         replays = runner.graphs.replays
         got = decode_logits(fused.engine, ids).float().cpu()
         assert runner.graphs.replays == replays + len(ids)
         err = (got - decode_logits(eager.engine, ids).float().cpu()).abs().max().item()
         assert err <= 1e-3, (len(ids), err)
     ref = _llm(tmp_path, "reference", "bfloat16")
-    prompts = [{"prompt_token_ids": p} for p in _prompts((3, 17, 33, 5, 60))]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts((3, 17, 33, 5, 60))]
     ours = [o.outputs[0].token_ids for o in fused.generate(prompts, GREEDY)]
     theirs = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY)]
     assert sum(a == b for a, b in zip(ours, theirs, strict=True)) >= 4
@@ -166,7 +161,7 @@ def test_seeded_sampling_with_logprobs_on_cuda(tiny) -> None:  # noqa: ANN001
         seed=7,
         logprobs=3,
     )
-    prompts = [{"prompt_token_ids": p} for p in _prompts((3, 17, 33, 5, 60))]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts((3, 17, 33, 5, 60))]
     first = fused.generate(prompts, params)
     again = fused.generate(prompts, params)
     theirs = ref.generate(prompts, params)
@@ -198,7 +193,7 @@ def test_engine_with_graphs_batches_chunks_and_preempts_as_it_does_eagerly(tiny)
         str(tiny), device="cuda", backend="fused", dtype="float32", step_program=False, **opts
     )
     assert graphed.engine.executor.runner.graphs is not None
-    prompts = _prompts((5, 17, 3, 30, 9, 12))
+    prompts = random_prompts((5, 17, 3, 30, 9, 12))
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     got = staggered_generate(graphed, prompts, params)
     want = staggered_generate(eager, prompts, params)
@@ -217,9 +212,9 @@ def test_two_engines_step_while_one_records_its_graphs(tiny) -> None:  # noqa: A
     import threading
 
     first, second = _llm(tiny, "fused", "float32"), _llm(tiny, "fused", "float32")
-    prompts = [{"prompt_token_ids": p} for p in _prompts((3, 17, 33, 5, 60))]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts((3, 17, 33, 5, 60))]
     alone = [o.outputs[0].token_ids for o in first.generate(prompts, GREEDY)]
-    others = [{"prompt_token_ids": p} for p in _prompts((41, 9, 77, 23, 2, 50, 31))]
+    others = [{"prompt_token_ids": p} for p in random_prompts((41, 9, 77, 23, 2, 50, 31))]
     results: dict[str, list] = {}
     errors: list[BaseException] = []
 
