@@ -66,6 +66,24 @@ def step_bytes(llm: LLM, batch: int, context: int) -> int:
     return weights + kv
 
 
+def random_llm(
+    config: str, device: str, backend: str, tokenizer: str, kv_cache_memory: str, **options
+) -> LLM:  # noqa: ANN003
+    """A model of benchmarks/configs' `config` (or a folder) with seeded random bf16 weights;
+    on the CPU (a dry run) a small KV pool."""
+    return LLM(
+        str(CONFIGS / config),
+        random_weights=True,
+        dtype="bfloat16",
+        device=device,
+        backend=backend,
+        tokenizer=tokenizer,
+        kv_cache_memory=kv_cache_memory if device == "cuda" else "64MiB",
+        max_model_len=2048,
+        **options,
+    )
+
+
 def _prompts(llm: LLM, batch: int, prompt_len: int) -> list[dict[str, list[int]]]:
     vocab = llm.engine.model_config.vocab_size  # (a tiny config's, in a dry run)
     return [
@@ -146,16 +164,7 @@ def main() -> int:
     rows = []
     for backend in ("fused", "reference"):
         t0 = time.perf_counter()
-        llm = LLM(
-            str(CONFIGS / args.config),
-            random_weights=True,
-            dtype="bfloat16",
-            device=args.device,
-            backend=backend,
-            tokenizer=tokenizer,
-            kv_cache_memory=args.kv_cache_memory if device.type == "cuda" else "64MiB",
-            max_model_len=2048,
-        )
+        llm = random_llm(args.config, args.device, backend, tokenizer, args.kv_cache_memory)
         graphs = llm.engine.executor.runner.graphs is not None
         print(f"{backend}: loaded in {time.perf_counter() - t0:.1f}s (decode graphs: {graphs})")
         for batch in batches:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from cuda_decode import CONFIGS, decode_run  # benchmarks/ is the script's folder
+from cuda_decode import decode_run, random_llm  # benchmarks/ is the script's folder
 
 from dsinfer import LLM
 from dsinfer.layers.kernels import REFERENCE
@@ -85,16 +85,13 @@ def main() -> int:
         t0 = time.perf_counter()
         llm = None
         try:
-            llm = LLM(
-                str(CONFIGS / args.config),
-                random_weights=True,
-                dtype="bfloat16",
-                device=args.device,
-                backend="reference" if variant == "reference" else "fused",
+            llm = random_llm(
+                args.config,
+                args.device,
+                "reference" if variant == "reference" else "fused",
+                args.tokenizer,
+                "8GiB",
                 step_program=cuda or variant == "reference",  # the CPU program has no variants
-                tokenizer=args.tokenizer,
-                kv_cache_memory="8GiB" if cuda else "64MiB",
-                max_model_len=2048,
             )
             if variant == "fused-reference-norms":
                 _reference_norms(llm)
