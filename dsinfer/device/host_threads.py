@@ -12,7 +12,9 @@ one row, and the server's start-up tuning then kept one thread (session 27: one 
 
 So: the serving process runs its parallel regions on the engine thread only, nothing runs a
 torch op at import, and a thread that has finished its parallel work (the server's main thread
-before the engines load) releases its pool here.
+before the engines load) releases its pool here. Where several engines of one process step at
+once (two models, a canary's two versions), each steps on its share of the cores
+(`CoreShare`): on two cores, one thread each, whose parallel regions run inline.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-import torch  # noqa: F401  (loads its libgomp before _libgomp looks for it)
+import torch  # (loads its libgomp before _libgomp looks for it)
 
 logger = logging.getLogger(__name__)
 
@@ -56,3 +63,102 @@ def release_openmp_pool() -> bool:
     if not ok:  # called inside a parallel region: libgomp refuses, nothing changes
         logger.debug("omp_pause_resource_all refused")
     return ok
+
+
+@contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """The calling thread's intra-op threads set to n inside, put back after. (torch's setting
+    is per thread, but also the count a new thread starts with: put back, nothing outside the
+    block sees n.)"""
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)  # ~0.1 µs
+    try:
+        yield
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
+
+
+# How long after its last step an engine still counts as busy: a busy engine's steps are
+# separated by its Python work between them (scheduling, sampling, delivering tokens: ~0.3-2
+# ms), and one engine taking every core in such a gap, while another is mid-step on its share,
+# oversubscribes the cores. An engine idle this long has no request left to step.
+BUSY_LINGER_S = 0.05
+
+
+class CoreShare:
+    """The host's intra-op threads split between the engines of this process that are stepping.
+
+    Why: two busy engines in one process (two models, or a canary's two versions) each ran
+    their steps on every intra-op thread, so each held an OpenMP pool and every parallel region
+    of both paid the throttled wake-ups described above, besides the cores' contention. Two
+    SmolLM2 engines, one stream each, gave 261-300 tok/s together where one alone gives
+    290-310. On a share each engine steps on cores // busy threads; on two cores that is one
+    thread each, whose regions run inline (no pool is woken): 508-545 tok/s together, and
+    16 streams each 1,540 → 1,830 (benchmarks/two_engines.py, docs/backends.md). Alone, an
+    engine keeps every thread.
+
+    `step(key)` around one step of the engine `key`: sets the calling thread's intra-op
+    threads to the share for the step and puts back what it was after (torch.set_num_threads
+    also sets the count a new thread starts with: nothing outside the step sees the share)."""
+
+    def __init__(self, cores: int, linger_s: float = BUSY_LINGER_S) -> None:
+        self.cores = max(1, cores)
+        self.linger_s = linger_s
+        self.enabled = True  # off: every engine steps on all the cores (benchmarks compare)
+        self._lock = threading.Lock()
+        self._stepping: dict[int, int] = {}  # id(key) → steps it has in flight
+        self._last_end: dict[int, float] = {}  # id(key) → when its last step ended
+
+    def busy(self, now: float | None = None) -> int:
+        """Engines stepping now or within the linger."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            lingering = {k for k, t in self._last_end.items() if now - t < self.linger_s}
+            return len(lingering | {k for k, n in self._stepping.items() if n})
+
+    def threads(self) -> int:
+        """Each busy engine's intra-op threads."""
+        if not self.enabled:
+            return self.cores
+        return max(1, self.cores // max(1, self.busy()))
+
+    @contextmanager
+    def step(self, key: object) -> Iterator[int]:
+        """One step of engine `key` on its share of the cores; yields the thread count."""
+        k = id(key)
+        with self._lock:
+            self._stepping[k] = self._stepping.get(k, 0) + 1
+        n = self.threads()
+        try:
+            with intra_op_threads(n):
+                yield n
+        finally:
+            with self._lock:
+                self._stepping[k] -= 1
+                if not self._stepping[k]:
+                    del self._stepping[k]
+                self._last_end[k] = time.monotonic()
+                # Forget engines long idle (a swapped-out version): the map stays small.
+                stale = [e for e, t in self._last_end.items() if time.monotonic() - t > 60]
+                for e in stale:
+                    del self._last_end[e]
+
+
+_SHARE: CoreShare | None = None
+_SHARE_LOCK = threading.Lock()
+
+
+def core_share() -> CoreShare:
+    """The process's CoreShare, made on first use with the calling thread's intra-op thread
+    count as the cores to share (the first engine's loading thread: torch's default, or what
+    the application set before loading). DSINFER_CORE_SHARE=off in the environment turns the
+    share off."""
+    global _SHARE
+    with _SHARE_LOCK:
+        if _SHARE is None:
+            _SHARE = CoreShare(torch.get_num_threads())
+            # DSINFER_CORE_SHARE=off: every engine steps on every core (for comparisons).
+            _SHARE.enabled = os.environ.get("DSINFER_CORE_SHARE", "on").lower() != "off"
+        return _SHARE

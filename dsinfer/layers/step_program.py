@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 
+from dsinfer.device.host_threads import intra_op_threads
 from dsinfer.layers.attention import AttentionMetadata
 from dsinfer.layers.linear import Linear, ProgramOperand
 from dsinfer.layers.moe import DeepseekMoE
@@ -47,18 +47,6 @@ class ProgramLayer:
 TUNED_BUCKETS = (1, 16)
 
 
-@contextmanager
-def _intra_op_threads(n: int):  # noqa: ANN202
-    before = torch.get_num_threads()
-    if n != before:
-        torch.set_num_threads(n)  # ~0.1 µs
-    try:
-        yield
-    finally:
-        if n != before:
-            torch.set_num_threads(before)
-
-
 def fewest_threads_within(measured: dict[int, float], slack: float = 1.03) -> int:
     """The fewest intra-op threads whose best step time is within `slack` of the fastest: a
     thread that adds nothing to the step is better left to the rest of the process (HTTP,
@@ -77,8 +65,12 @@ class StepProgram:
         self.measured_ms: dict[int, dict[int, float]] = {}  # rows → threads → best ms
 
     def threads_for(self, rows: int) -> int:
+        """The tuned threads of the rows' bucket, at most the calling thread's intra-op threads
+        now: an engine stepping on its share of the cores (device/host_threads.CoreShare)
+        keeps to it."""
         bucket = TUNED_BUCKETS[0] if rows <= 4 else TUNED_BUCKETS[-1]
-        return self.threads.get(bucket) or torch.get_num_threads()
+        now = torch.get_num_threads()
+        return min(self.threads.get(bucket) or now, now)
 
     @torch.inference_mode()
     def tune_threads(
@@ -148,7 +140,7 @@ class StepProgram:
         self, threads: int, x: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
     ) -> float:
         """Seconds of one program run on `threads` intra-op threads."""
-        with _intra_op_threads(threads):
+        with intra_op_threads(threads):
             t0 = time.perf_counter()
             self._program.run(x, tables, lens)
             return time.perf_counter() - t0
@@ -181,7 +173,7 @@ class StepProgram:
         # kernels under the one call Python made.
         with (
             record_function("dsinfer::DecodeProgram.run"),
-            _intra_op_threads(self.threads_for(x.shape[0])),
+            intra_op_threads(self.threads_for(x.shape[0])),
         ):
             return self._program.run(x, meta.decode_block_tables, meta.decode_seq_lens)
 

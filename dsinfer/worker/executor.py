@@ -8,10 +8,12 @@ tensor parallelism each rank loads its own part, so loading is the executor's jo
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from dsinfer.device.host_threads import core_share, intra_op_threads
 from dsinfer.models.loader import LoadedModel
 from dsinfer.worker.model_runner import ModelRunner
 from dsinfer.worker.multiproc_executor import MultiprocExecutor, world_size
@@ -22,15 +24,23 @@ Loader = Callable[[Any], LoadedModel]
 
 class UniprocExecutor:
     def __init__(self, config: Any, load: Loader, device: torch.device) -> None:
-        self.loaded = load(config)
-        self.runner = ModelRunner.for_engine(self.loaded, config, device)
+        # On the CPU, steps run on this process's share of the cores (device/host_threads).
+        self._share = core_share() if device.type == "cpu" else None
+        # Loading (and the step program's thread tuning) on every core: this thread may have
+        # started with a busy engine's share as its count (torch's new-thread default).
+        with intra_op_threads(self._share.cores) if self._share else nullcontext():
+            self.loaded = load(config)
+            self.runner = ModelRunner.for_engine(self.loaded, config, device)
 
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(out)
+        if self._share is None or not out.seqs:  # (an idle engine's flush of finished ids)
+            return self.runner.execute(out)
+        with self._share.step(self):  # every core alone; cores // busy engines beside others
+            return self.runner.execute(out)
 
     @staticmethod
     def is_engine_fault(exc: BaseException) -> bool:

@@ -356,3 +356,17 @@ def test_a_throttled_tuning_keeps_every_thread(caplog: pytest.LogCaptureFixture)
         assert "keeping every intra-op thread" in caplog.text
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_program_keeps_to_its_engines_share_of_the_cores() -> None:
+    """Tuned to two threads, a step whose engine runs on one (two busy engines share the
+    cores: device/host_threads.CoreShare) runs on one; on more, it keeps its tuned two."""
+    from dsinfer.device.host_threads import intra_op_threads
+    from dsinfer.layers.step_program import StepProgram
+
+    program = StepProgram(_SimulatedProgram(busy_calls=0))  # type: ignore[arg-type]
+    program.threads = {1: 2, 16: 2}
+    with intra_op_threads(1):
+        assert program.threads_for(1) == 1 and program.threads_for(16) == 1
+    with intra_op_threads(4):
+        assert program.threads_for(1) == 2
