@@ -18,13 +18,15 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .cuda/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# Real weights for the GGUF path's gpu test: SmolLM2's first 8 layers (cuda_prepare.sh).
+[ -f .cuda/smollm2-8-layers.gguf ] && export DSINFER_GPU_SMOLLM2=$PWD/.cuda/smollm2-8-layers.gguf
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers; print('torch', torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability(), 'transformers', transformers.__version__, 'F.grouped_mm', hasattr(torch.nn.functional, 'grouped_mm'))"
 } 2>&1 | tee "$out/checks.log"
 # The gpu-marked files only: collecting the whole suite would import test dependencies the
 # device's image lacks (openai, jsonschema, xgrammar, ...).
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short -m gpu \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short -m gpu \
     $(grep -rl "pytest.mark.gpu" tests) 2>&1 | tee -a "$out/checks.log"
 echo "gpu tests: exit ${PIPESTATUS[0]}" | tee -a "$out/checks.log"
 # Replayed graphs against the eager step, module by module where they part (tiny models).
