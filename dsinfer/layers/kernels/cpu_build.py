@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from dsinfer.device import native_bf16_matmul
+
 logger = logging.getLogger(__name__)
 # One translation unit: the step program calls the kernels of cpu_ops.cpp as plain functions.
 SOURCES = tuple(
@@ -32,7 +34,12 @@ SOURCES = tuple(
 # -fopenmp: at::parallel_for is a header template that parallelises only in code compiled
 # with OpenMP; without it every kernel ran on one thread. Linked by soname, libgomp resolves
 # to the copy torch has already loaded (one thread pool, not two).
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+# DSINFER_CPU_MARCH: the ISA to build for instead of this CPU's own ("haswell": AVX2 and FMA
+# without AVX-512), so that an AVX-512 machine can build and test the kernels an AVX2-only one
+# runs (tests/layers/test_other_isa_build.py). The kernels choose their paths at compile time
+# (#if __AVX512F__ ...), so such a build takes the AVX2 paths on any CPU that has AVX2.
+MARCH = os.environ.get("DSINFER_CPU_MARCH") or "native"
+CFLAGS = ("-O3", f"-march={MARCH}", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}
@@ -133,6 +140,7 @@ def load_prebuilt(path: Path, target: object) -> str | None:
         except (OSError, RuntimeError) as e:
             return f"it does not load here ({type(e).__name__}: {str(e)[-200:]})"
         _state["error"], _state["path"] = "", str(path)
+        _tell_the_library_this_cpu()
         return None
 
 
@@ -172,7 +180,14 @@ def _load() -> str | None:
     if not built:
         logger.info("fused CPU kernels built in %.1fs", time.perf_counter() - t0)
     _state["path"] = str(out / f"{name}.so")
+    _tell_the_library_this_cpu()
     return None
+
+
+def _tell_the_library_this_cpu() -> None:
+    """What the library cannot take from its compile flags: whether torch's bf16 GEMM is
+    native on this CPU (its step program picks int8_mm's kernels by it, as quant.py does)."""
+    torch.ops.dsinfer.set_native_bf16_gemm(native_bf16_matmul(torch.device("cpu")))
 
 
 def main() -> int:

@@ -11,6 +11,7 @@
 // This file is compiled in one translation unit after cpu_ops.cpp (cpu_build.py joins them),
 // so it calls that file's kernels as plain functions.
 #include <ATen/record_function.h>
+#include <atomic>
 #include <torch/custom_class.h>
 
 namespace {
@@ -31,13 +32,14 @@ struct ProgramLinear {
   int64_t dense_from_rows = 0;  // int4: widen to bf16 for one GEMM from this many rows
 };
 
-// device.native_bf16_matmul's answer (AVX512-BF16 or AMX), from the flags this library was
-// compiled with: -march=native on the machine it runs on (cpu_build.py).
-#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
-constexpr bool kNativeBf16Gemm = true;
-#else
-constexpr bool kNativeBf16Gemm = false;
-#endif
+// Whether torch's own bf16 GEMM runs at the hardware's rate here (AVX512-BF16 or AMX):
+// device.native_bf16_matmul's answer, which cpu_build.py sets once the library is loaded. A
+// property of the CPU, not of this library's compile flags: a library built for another ISA
+// (DSINFER_CPU_MARCH=haswell on an AVX-512 machine) still calls the torch of this CPU, and
+// int8_mm (quant.py) asks the CPU.
+std::atomic<bool> g_native_bf16_gemm{false};
+
+void set_native_bf16_gemm(bool native) { g_native_bf16_gemm.store(native); }
 
 // The rules of the Python methods (quant.py: Int4LinearMethod.apply with the VNNI layout,
 // int8_mm with the fused kernels), row for row, so that a program and the eager path agree.
@@ -78,7 +80,7 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
         y = int8_linear(x, l.a, l.b);
       } else {
         // No native bf16 GEMM here (AVX2): never torch's emulated one.
-        const bool emulated_bf16 = x.scalar_type() == at::kBFloat16 && !kNativeBf16Gemm;
+        const bool emulated_bf16 = x.scalar_type() == at::kBFloat16 && !g_native_bf16_gemm.load();
         if (K % 16 == 0 && (rows < 16 || emulated_bf16))
           y = at::_weight_int8pack_mm(x, l.a, l.b.to(x.scalar_type()));
         else if (emulated_bf16)
@@ -194,6 +196,7 @@ struct DecodeProgram : torch::CustomClassHolder {
 };
 
 TORCH_LIBRARY_FRAGMENT(dsinfer, m) {
+  m.def("set_native_bf16_gemm(bool native) -> ()", &set_native_bf16_gemm);
   m.class_<DecodeProgram>("DecodeProgram")
       .def(torch::init<at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeProgram::add_layer)
