@@ -93,11 +93,12 @@ class CoreShare:
     Why: two busy engines in one process (two models, or a canary's two versions) each ran
     their steps on every intra-op thread, so each held an OpenMP pool and every parallel region
     of both paid the throttled wake-ups described above, besides the cores' contention. Two
-    SmolLM2 engines, one stream each, gave 261-300 tok/s together where one alone gives
-    290-310. On a share each engine steps on cores // busy threads; on two cores that is one
-    thread each, whose regions run inline (no pool is woken): 508-545 tok/s together, and
-    16 streams each 1,540 → 1,830 (benchmarks/two_engines.py, docs/backends.md). Alone, an
-    engine keeps every thread.
+    SmolLM2 engines, one stream each, gave 337.6 tok/s together where one alone gives 345.5.
+    On a share each engine steps on cores // busy threads; on two cores that is one thread
+    each, whose regions run inline (no pool is woken): 471.1 tok/s together, and at 16
+    streams each 1,475.6 → 1,628.1 (benchmarks/two_engines.py, one run; docs/backends.md).
+    Alone, an engine keeps every thread; cores that do not divide evenly go one each to the
+    first engines.
 
     `step(key)` around one step of the engine `key`: sets the calling thread's intra-op
     threads to the share for the step and puts back what it was after (torch.set_num_threads
@@ -111,18 +112,29 @@ class CoreShare:
         self._stepping: dict[int, int] = {}  # id(key) → steps it has in flight
         self._last_end: dict[int, float] = {}  # id(key) → when its last step ended
 
-    def busy(self, now: float | None = None) -> int:
-        """Engines stepping now or within the linger."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            lingering = {k for k, t in self._last_end.items() if now - t < self.linger_s}
-            return len(lingering | {k for k, n in self._stepping.items() if n})
+    def _busy_ids(self, now: float) -> list[int]:
+        """The ids of the engines stepping now or within the linger, in order (under _lock)."""
+        lingering = {k for k, t in self._last_end.items() if now - t < self.linger_s}
+        return sorted(lingering | {k for k, n in self._stepping.items() if n})
 
-    def threads(self) -> int:
-        """Each busy engine's intra-op threads."""
+    def busy(self) -> int:
+        """How many engines are stepping now or stepped within the linger."""
+        with self._lock:
+            return len(self._busy_ids(time.monotonic()))
+
+    def threads(self, key: object | None = None) -> int:
+        """The intra-op threads of busy engine `key` (None: the fewest any busy engine gets):
+        cores // busy each, and the remainder one more each for the first engines, so that
+        three cores give two engines 2 and 1, not 1 and 1."""
         if not self.enabled:
             return self.cores
-        return max(1, self.cores // max(1, self.busy()))
+        with self._lock:
+            ids = self._busy_ids(time.monotonic())
+        if not ids:
+            return self.cores
+        base, extra = divmod(self.cores, len(ids))
+        rank = ids.index(id(key)) if key is not None and id(key) in ids else len(ids)
+        return max(1, base + (1 if rank < extra else 0))
 
     @contextmanager
     def step(self, key: object) -> Iterator[int]:
@@ -130,7 +142,7 @@ class CoreShare:
         k = id(key)
         with self._lock:
             self._stepping[k] = self._stepping.get(k, 0) + 1
-        n = self.threads()
+        n = self.threads(key)
         try:
             with intra_op_threads(n):
                 yield n

@@ -87,3 +87,17 @@ def test_intra_op_threads_sets_inside_and_puts_back() -> None:
     with intra_op_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == 2
+
+
+def test_the_cores_left_over_go_one_each_to_the_first_engines() -> None:
+    """Three cores and two busy engines: 2 and 1, not 1 and 1 (a core left idle)."""
+    share = CoreShare(3, linger_s=60)
+    a, b = object(), object()
+    with share.step(a), share.step(b):
+        pass
+    got = {}
+    for e in (a, b):
+        with share.step(e) as n:
+            got[id(e)] = n
+    assert sorted(got.values()) == [1, 2]
+    assert share.threads() == 1  # the fewest any busy engine gets
