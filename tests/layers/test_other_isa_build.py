@@ -1,12 +1,19 @@
-"""The kernels of an AVX2-only CPU, built and tested on an AVX-512 machine.
+"""The kernels of other x86 CPUs, built and tested on this one.
 
 The fused kernels choose their code at compile time (`#if __AVX512F__ ...`, cpu_ops.cpp), and
-the library is built for the machine it runs on, so an AVX-512 machine's suite skips the AVX2
-kernels' tests, and an AVX2 machine's skips the AVX-512 ones. CI runs on either kind. Here, on
-an AVX-512 machine, the kernel, quantisation, step-program and fused-backend tests run again in
-a fresh interpreter against a library built for AVX2 (`DSINFER_CPU_MARCH=haswell`,
-cpu_build.py). That is how the AVX2 step program was found choosing int8 kernels by its compile
-flags where the Python side asks the CPU: the program and the eager step parted by a bf16 ulp.
+the library is built for the machine it runs on, so a machine's suite tests its own ISA's
+kernels only. CI runs on an AVX-512 (BF16, VNNI) kind or an AVX2-only one. Where this CPU can
+run another ISA's build, the kernel tests run again in a fresh interpreter against a library
+built for it (`DSINFER_CPU_MARCH`, cpu_build.py):
+
+- AVX2 + FMA (`haswell`), on an AVX-512 machine: the kernel, quantisation, step-program and
+  fused-backend tests. This found the AVX2 step program choosing int8 kernels by its compile
+  flags where the Python side asks the CPU: the program and the eager step parted by a bf16 ulp.
+- AVX-512 without BF16 and VNNI (`skylake-avx512`: Skylake-SP, Cascade Lake and Ice Lake
+  servers are of this family), on an AVX512-BF16 machine: the kernel, quantisation,
+  step-program, attention and MoE tests. This found that the kernels did not compile there at
+  all (a bf16 conversion of AVX512-BF16 under a plain AVX-512 guard): the fused backend fell
+  back to the reference on such CPUs.
 """
 
 from __future__ import annotations
@@ -22,30 +29,45 @@ import pytest
 from dsinfer.layers.kernels.cpu_build import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = (
+KERNEL_FILES = (
     "tests/layers/test_fused_kernels.py",
     "tests/layers/test_quant.py",
     "tests/models/test_step_program.py",
-    "tests/models/test_fused_backend.py",
 )
-# What may still skip in the AVX2 build: the AVX-512 kernels' tests.
-AVX512_ONLY = re.compile(r"no AVX512-BF16 on this CPU|no AVX512-VNNI/BF16 on this CPU")
+# What may still skip in these builds: the AVX512-BF16/VNNI kernels' tests.
+BF16_VNNI_ONLY = re.compile(r"no AVX512-BF16 on this CPU|no AVX512-VNNI/BF16 on this CPU")
+BUILDS = {
+    # march: (CPU flags it needs, a flag this CPU has only if its own build differs, files)
+    "haswell": ({"avx2", "fma"}, "avx512f", (*KERNEL_FILES, "tests/models/test_fused_backend.py")),
+    "skylake-avx512": (
+        {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx2", "fma"},
+        "avx512_bf16",
+        (
+            *KERNEL_FILES,
+            "tests/layers/test_attention_backends.py",
+            "tests/layers/test_moe.py",
+        ),
+    ),
+}
 
 
-def test_the_avx2_build_passes_the_kernel_and_program_tests() -> None:
+@pytest.mark.parametrize("march", sorted(BUILDS))
+def test_another_isas_build_passes_the_kernel_tests(march: str) -> None:
+    needs, beyond, files = BUILDS[march]
     flags = set(cpu_flags().split())
-    if "avx512f" not in flags:
-        pytest.skip("this machine's own build is the AVX2 one (or older): its tests ran above")
-    if not {"avx2", "fma"} <= flags:
-        pytest.skip("this CPU cannot run an AVX2 build")
-    env = {**os.environ, "DSINFER_CPU_MARCH": "haswell"}
+    if beyond not in flags:
+        pytest.skip(f"this machine's own build is no richer than {march}: its tests ran above")
+    if not needs <= flags:
+        pytest.skip(f"this CPU cannot run a {march} build")
+    env = {**os.environ, "DSINFER_CPU_MARCH": march}
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
-    cmd += ["-m", "not slow and not gpu", *FILES]
+    cmd += ["-m", "not slow and not gpu", *files]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = done.stdout[-3000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     summary = re.search(r"(\d+) passed", done.stdout)
     assert summary and int(summary.group(1)) >= 200, tail
     skips = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
-    # The AVX2 kernels' tests ran (the native suite skips them): only AVX-512 ones skipped.
-    assert skips and all(AVX512_ONLY.search(line) for line in skips), skips
+    # The kernels of this ISA ran (the native suite skips some of them): only the
+    # AVX512-BF16/VNNI kernels' tests skipped.
+    assert skips and all(BF16_VNNI_ONLY.search(line) for line in skips), skips

@@ -35,9 +35,10 @@ SOURCES = tuple(
 # with OpenMP; without it every kernel ran on one thread. Linked by soname, libgomp resolves
 # to the copy torch has already loaded (one thread pool, not two).
 # DSINFER_CPU_MARCH: the ISA to build for instead of this CPU's own ("haswell": AVX2 and FMA
-# without AVX-512), so that an AVX-512 machine can build and test the kernels an AVX2-only one
-# runs (tests/layers/test_other_isa_build.py). The kernels choose their paths at compile time
-# (#if __AVX512F__ ...), so such a build takes the AVX2 paths on any CPU that has AVX2.
+# without AVX-512; "skylake-avx512": AVX-512 without BF16 and VNNI), so that one machine can
+# build and test the kernels other CPUs run (tests/layers/test_other_isa_build.py). The kernels
+# choose their paths at compile time (#if __AVX512F__ ...), so such a build takes that ISA's
+# paths on any CPU that has it.
 MARCH = os.environ.get("DSINFER_CPU_MARCH") or "native"
 CFLAGS = ("-O3", f"-march={MARCH}", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)

@@ -263,17 +263,31 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+// 16 floats to bf16, rounded to nearest even as torch rounds (c10::BFloat16). With AVX512-BF16
+// one instruction; without it (AVX-512 CPUs before Cooper Lake and Zen 4: Skylake-SP, Cascade
+// Lake, Ice Lake) the same rounding in integer lanes: add 0x7FFF plus the kept part's lowest
+// bit, keep the upper half; NaN stays a quiet NaN. (This file did not compile for such a CPU
+// before: the fused backend fell back to the reference there.)
+inline __m256i bf16_rne16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i x = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
 // Round to the element type (bf16: nearest even, as torch) and back, or store.
 inline __m512 round16(__m512 v, const float*) { return v; }
 inline __m512 round16(__m512 v, const c10::BFloat16*) {
   uint16_t tmp[16];
-  _mm256_storeu_si256((__m256i*)tmp, (__m256i)_mm512_cvtneps_pbh(v));
+  _mm256_storeu_si256((__m256i*)tmp, bf16_rne16(v));
   return load16(reinterpret_cast<const c10::BFloat16*>(tmp));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
-}
+inline void store16(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, bf16_rne16(v)); }
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
