@@ -34,11 +34,17 @@ def test_alone_every_core_beside_another_engine_half() -> None:
     assert share.busy() == 2
 
 
-def test_an_engine_idle_past_the_linger_gives_its_cores_back() -> None:
-    share = CoreShare(4, linger_s=0.05)
+def _two_busy(cores: int, linger_s: float) -> tuple[CoreShare, object, object]:
+    """A share whose two engines have each just stepped (both busy within the linger)."""
+    share = CoreShare(cores, linger_s=linger_s)
     a, b = object(), object()
     with share.step(a), share.step(b):
         pass
+    return share, a, b
+
+
+def test_an_engine_idle_past_the_linger_gives_its_cores_back() -> None:
+    share, a, _ = _two_busy(4, linger_s=0.05)
     assert share.threads() == 2
     time.sleep(0.1)
     assert share.busy() == 0
@@ -75,11 +81,10 @@ def test_a_step_puts_the_thread_count_back_even_when_it_fails() -> None:
 
 
 def test_a_disabled_share_gives_every_engine_every_core() -> None:
-    share = CoreShare(4, linger_s=60)
+    share, a, b = _two_busy(4, linger_s=60)
     share.enabled = False
-    a, b = object(), object()
-    with share.step(a), share.step(b) as m:
-        assert m == 4
+    with share.step(a) as n, share.step(b) as m:
+        assert n == m == 4
 
 
 def test_intra_op_threads_sets_inside_and_puts_back() -> None:
@@ -91,10 +96,7 @@ def test_intra_op_threads_sets_inside_and_puts_back() -> None:
 
 def test_the_cores_left_over_go_one_each_to_the_first_engines() -> None:
     """Three cores and two busy engines: 2 and 1, not 1 and 1 (a core left idle)."""
-    share = CoreShare(3, linger_s=60)
-    a, b = object(), object()
-    with share.step(a), share.step(b):
-        pass
+    share, a, b = _two_busy(3, linger_s=60)
     got = {}
     for e in (a, b):
         with share.step(e) as n:
