@@ -15,24 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from dsinfer.bench.stats import wait_healthy
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dsinfer.distributed.parallel_state import free_local_port
 
 
 def measure(share: str, streams_list: list[int], output_len: int) -> dict[int, dict]:
     """{streams: {model: report}} from one server with DSINFER_CORE_SHARE=share."""
-    port = free_port()
+    port = free_local_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "DSINFER_CORE_SHARE": share}
     cmd = [sys.executable, "-m", "dsinfer.cli", "serve", "--model", "a=smollm2"]

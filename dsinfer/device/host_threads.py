@@ -123,17 +123,19 @@ class CoreShare:
             return len(self._busy_ids(time.monotonic()))
 
     def threads(self, key: object | None = None) -> int:
-        """The intra-op threads of busy engine `key` (None: the fewest any busy engine gets):
-        cores // busy each, and the remainder one more each for the first engines, so that
-        three cores give two engines 2 and 1, not 1 and 1."""
-        if not self.enabled:
-            return self.cores
+        """The intra-op threads of busy engine `key` (None: the fewest any busy engine gets)."""
         with self._lock:
             ids = self._busy_ids(time.monotonic())
-        if not ids:
+        return self._share_of(None if key is None else id(key), ids)
+
+    def _share_of(self, k: int | None, ids: list[int]) -> int:
+        """Engine id k's threads among the busy `ids`: cores // busy each, and the remainder
+        one more each for the first engines, so that three cores give two engines 2 and 1,
+        not 1 and 1."""
+        if not self.enabled or not ids:
             return self.cores
         base, extra = divmod(self.cores, len(ids))
-        rank = ids.index(id(key)) if key is not None and id(key) in ids else len(ids)
+        rank = ids.index(k) if k in ids else len(ids)
         return max(1, base + (1 if rank < extra else 0))
 
     @contextmanager
@@ -142,7 +144,7 @@ class CoreShare:
         k = id(key)
         with self._lock:
             self._stepping[k] = self._stepping.get(k, 0) + 1
-        n = self.threads(key)
+            n = self._share_of(k, self._busy_ids(time.monotonic()))
         try:
             with intra_op_threads(n):
                 yield n
@@ -151,10 +153,10 @@ class CoreShare:
                 self._stepping[k] -= 1
                 if not self._stepping[k]:
                     del self._stepping[k]
-                self._last_end[k] = time.monotonic()
+                now = time.monotonic()
+                self._last_end[k] = now
                 # Forget engines long idle (a swapped-out version): the map stays small.
-                stale = [e for e, t in self._last_end.items() if time.monotonic() - t > 60]
-                for e in stale:
+                for e in [e for e, t in self._last_end.items() if now - t > 60]:
                     del self._last_end[e]
 
 
