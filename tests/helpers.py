@@ -334,3 +334,22 @@ def random_prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
     """Seeded prompts of the given lengths over the tiny vocabulary (ids 3.. past the specials)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def fused_cpu_has(kernel: str, *args: int) -> bool:
+    """Whether this machine's fused CPU library loads and its `<kernel>_supported(*args)` says
+    yes: a kernel whose instructions the CPU lacks is built as a stub that says no (on an
+    x86-64-v2 CPU, no AVX2: the int4 kernels, MLA's projections), and the engine then takes
+    another path and logs why. `int4_vnni`: the fused int4 layout and the step program's int4
+    kernels; `int4_i8`: int8 activations; `mla_projections` (kv_lora_rank): the MLA program."""
+    from dsinfer.layers.kernels.cpu_build import load_cpu_ops
+
+    return load_cpu_ops() is None and bool(getattr(torch.ops.dsinfer, f"{kernel}_supported")(*args))
+
+
+def skip_without(kernel: str, *args: int) -> None:
+    """Skip a test about what `kernel` does where this CPU has no such kernel (fused_cpu_has)."""
+    import pytest
+
+    if not fused_cpu_has(kernel, *args):
+        pytest.skip(f"this CPU's fused library has no {kernel} kernel (no AVX2 + FMA?)")

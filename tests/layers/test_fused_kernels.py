@@ -13,7 +13,7 @@ from dsinfer.layers.kernels import FUSED_CPU, REFERENCE
 from dsinfer.layers.linear import Linear
 from dsinfer.layers.quant import int8_mm, quantize_int8
 from dsinfer.layers.rotary import RotaryEmbedding
-from tests.helpers import decode_metadata
+from tests.helpers import decode_metadata, fused_cpu_has
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -21,6 +21,35 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 @pytest.fixture(scope="module", autouse=True)
 def kernels() -> None:
     assert resolve_backend("fused", torch.device("cpu")).name == "fused"
+
+
+def _build_target_defines() -> set[str]:
+    """The ISA macros the library was compiled under (its -march: this CPU's, or
+    DSINFER_CPU_MARCH's), as the compiler torch builds it with defines them."""
+    import os
+    import subprocess
+
+    from dsinfer.layers.kernels.cpu_build import MARCH
+
+    cxx = os.environ.get("CXX", "c++")  # torch.utils.cpp_extension's compiler
+    out = subprocess.run(
+        [cxx, f"-march={MARCH}", "-dM", "-E", "-x", "c++", "/dev/null"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return {line.split()[1] for line in out.splitlines() if line.startswith("#define __")}
+
+
+def test_the_library_has_every_kernel_its_isa_can_run() -> None:
+    """Tests of what a kernel does skip where the CPU lacks its instructions
+    (tests/helpers.skip_without): this one fails instead where a build that has them reports
+    a stub, so that a broken build cannot pass as an older CPU."""
+    isa = _build_target_defines()
+    avx2 = {"__AVX2__", "__FMA__"} <= isa
+    vnni = {"__AVX512F__", "__AVX512VNNI__", "__AVX512BF16__"} <= isa
+    assert fused_cpu_has("int4_vnni") == (avx2 or vnni), sorted(isa)
+    assert fused_cpu_has("int4_i8") == avx2, sorted(isa)
+    assert fused_cpu_has("int8_vnni") == vnni, sorted(isa)
+    assert fused_cpu_has("mla_projections", 48) == (avx2 or "__AVX512F__" in isa), sorted(isa)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,7 +29,7 @@ import torch
 from dsinfer import LLM, SamplingParams
 from dsinfer.device import native_bf16_matmul
 from tests.conftest import PROMPTS
-from tests.helpers import decode_logits, full_logits, tokens_match_up_to_near_tie
+from tests.helpers import decode_logits, full_logits, skip_without, tokens_match_up_to_near_tie
 
 # ~1,500 tokens of plain English prose written for this test.
 LONG_TEXT = Path(__file__).parents[1] / "data" / "long_text.txt"
@@ -134,10 +134,7 @@ def test_int8_activations_hold_the_quality_gate():
     more widen the weight for one dense GEMM whatever the policy, so there the same is held
     of the text decoded token by token too. The greedy text of a prompt keeps its first
     tokens."""
-    from dsinfer.layers.kernels.cpu_build import load_cpu_ops
-
-    if load_cpu_ops() is not None or not torch.ops.dsinfer.int4_i8_supported():
-        pytest.skip("no AVX2 + FMA: the int8-activation kernel is not built here")
+    skip_without("int4_i8")
     common = dict(dtype="bfloat16", quantization="int4", kv_cache_memory="64MiB")
     ref = LLM("smollm2", backend="reference", **common)
     exact = LLM("smollm2", backend="fused", int8_activations="none", **common)

@@ -184,6 +184,11 @@ class FusedCpuMLAAttention(MLAPagedAttention):
         if cache.dtype not in _KERNEL_DTYPES or cache.dtype != dtype:
             return "the latent cache's dtype is not the activations' (fp32 or bf16)"
         if not self.reads_kv_b(kv_b):
+            if not self._lora_supported:
+                return (
+                    f"this CPU's MLA projection kernels do not take kv_lora_rank {self.lora} "
+                    "(they need AVX2 + FMA or AVX-512, and a multiple of their lanes)"
+                )
             return "the MLA projection kernels cannot read kv_b_proj's weight as it is"
         return None
 
