@@ -9,13 +9,19 @@ int4 on the fused backend multiplies the codes with the activations as they are 
 sums; on AVX2 CPUs, by default, rounded to int8 per group of 32: --int8-activations auto),
 without the reference's bf16 rounding of each dequantised weight; its LM head (int8
 under int4) quantises the activations to int8 per group of 32. Its logits differ from the
-reference's by 0.12-0.20 on average and up to 1.1 (measured on these prompts; ~0.6 and up to ~3
-with the int8 activations of the int4 projections until session 15), so it is held to the
+reference's by 0.06-0.08 on average and up to 1.2, once each row's mean is taken out (0.12-0.14
+and up to 1.24 with the int8 activations of AVX2 CPUs' default; ~0.6 and up to ~3 with those of
+session 15, which were wrong). A row's raw logits also move together, by up to ±0.68 in these
+prompts: a one-ulp bf16 change in one of SmolLM2's massive hidden activations, whose column of
+the tied embedding is nearly the same for every token, shifts a whole row. No probability sees
+such a shift (softmax takes differences), so the test compares centred rows. Before session
+30 it compared raw logits, and a build for AVX-512 CPUs without VNNI failed it on such a shift
+(mean 0.55, 0.12 centred). The fused path is held to the
 issue's quality gate: perplexity within 0.5% of the reference's on a 1,388-token text, as a
 prompt (prefill kernels) and fed a token a step (decode kernels; the int8 activations of the
 int4 projections until session 15 were +1.0% off there, 28.82 → 29.12, and had passed an
 81-token text by chance; these are −0.1%) — greedy text identical up to near-ties, and logits
-within mean 0.5 / max 2.5 (a wrong code, scale or group is off by far more).
+within mean 0.3 / max 2.0, centred (a wrong code, scale or group is off by far more).
 """
 
 from __future__ import annotations
@@ -66,6 +72,11 @@ def test_fp32_fused_equals_reference(smol_llm, smol_llm_reference):
         assert tokens_match_up_to_near_tie(a, b, logits, tol=1e-2), prompt
 
 
+def _centred(rows: torch.Tensor) -> torch.Tensor:
+    """Each row less its mean over the vocabulary: what softmax sees of a row's logits."""
+    return rows - rows.mean(-1, keepdim=True)
+
+
 def _perplexity(llm: LLM, ids: list[int]) -> float:
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=0, prompt_logprobs=0))
     lps = [e.logprob for e in out[0].prompt_logprobs[1:]]
@@ -100,11 +111,16 @@ def test_bf16_fused_within_the_references_own_noise(quantization: str):
         with torch.inference_mode():
             want = decode_logits(ref.engine, ids)
             noise = (want - full_logits(ref.engine, ids)).abs().max().item()
-            diff = (decode_logits(fused.engine, ids) - want).abs()
+            diff = decode_logits(fused.engine, ids) - want
         if quantization == "int4":  # unrounded weights, int8 LM-head activations (docstring)
-            assert diff.mean().item() <= 0.5 and diff.max().item() <= 2.5, (prompt, diff.max())
+            err = _centred(diff).abs()  # a row's common shift changes no probability
+            assert err.mean().item() <= 0.3 and err.max().item() <= 2.0, (prompt, err.max())
         else:
-            assert diff.max().item() <= 2 * noise + 0.1, (prompt, diff.max().item(), noise)
+            assert diff.abs().max().item() <= 2 * noise + 0.1, (
+                prompt,
+                diff.abs().max().item(),
+                noise,
+            )
     # The gate's text is long: on an 81-token one single bf16 roundings move perplexity by
     # ~1% (the reference's own decode against its prompt: unquantised 7.815 against 7.908; a
     # one-ulp change in some attention rows: 0.8%), which hid a real +1.9% once (module
