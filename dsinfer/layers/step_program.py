@@ -132,7 +132,8 @@ class StepProgram:
                     f"a {rows}-row decode step took {most} ms on {max(by_threads)} threads "
                     f"against {one} ms on one: parallel regions are paying for waking their "
                     "threads; is another thread of this process running torch ops (a second "
-                    "OpenMP pool)? See docs/backends.md, 'One OpenMP pool'"
+                    "OpenMP pool), or another process holding a core while this one started? "
+                    "See docs/backends.md, 'One OpenMP pool'"
                 )
         return None
 

@@ -78,9 +78,16 @@ def test_smollm2_int4_program_equals_eager():
     program = llm.engine.executor.runner.model.step_program
     # Intra-op threads were measured per bucket at capture, on the cores the process's engines
     # share (the first engine's count: device/host_threads.core_share): the fewest within 3%
-    # of the best.
-    assert set(program.threads) == {1, 16}
-    assert all(1 <= n <= core_share().cores for n in program.threads.values())
+    # of the best. Where something else held a core while capture timed the program (another
+    # process on a busy 2-core CI machine: every step slower on two threads), the times say
+    # "throttled" and the program keeps every thread, as logged (that the process itself has
+    # one OpenMP pool, the usual cause: tests/device/test_host_threads.py).
+    if program.regions_throttled():
+        assert program.threads == {}, program.measured_ms
+    else:
+        assert set(program.threads) == {1, 16}, program.measured_ms
+    assert set(program.measured_ms) == {1, 16}
+    assert all(1 <= program.threads_for(rows) <= core_share().cores for rows in (1, 16))
     _assert_program_equals_eager(llm)
     assert torch.get_num_threads() == threads  # a step's thread count does not leak
     # Generation goes through it and releases its blocks.
