@@ -45,6 +45,11 @@ class ProgramLayer:
 
 # Batch sizes the program is timed at when captured (rows ≤ 4 take the first's choice).
 TUNED_BUCKETS = (1, 16)
+# How long a tuning whose times say "throttled" waits before it measures once more: another
+# process holding a core while this one starts (a compiler, a client starting up) is often
+# gone by then, and a tuning that kept every thread for that moment would keep it for the
+# server's life.
+RETUNE_PAUSE_S = 0.2
 
 
 def fewest_threads_within(measured: dict[int, float], slack: float = 1.03) -> int:
@@ -147,14 +152,20 @@ class StepProgram:
             return time.perf_counter() - t0
 
     def tuned(self, hidden: int, dtype: torch.dtype, num_blocks: int) -> StepProgram:
-        """This program with its threads per bucket measured (tune_threads) and logged."""
+        """This program with its threads per bucket measured (tune_threads) and logged; if the
+        times say "throttled", measured once more after RETUNE_PAUSE_S."""
         threads = self.tune_threads(hidden, dtype, num_blocks)
+        why = self.regions_throttled()
+        if why:
+            logger.info("step program: %s; measuring again in %.1f s", why, RETUNE_PAUSE_S)
+            time.sleep(RETUNE_PAUSE_S)
+            threads = self.tune_threads(hidden, dtype, num_blocks)
+            why = self.regions_throttled()
         logger.info(
             "step program: intra-op threads by decode rows %s (measured, best ms by threads: %s)",
             threads,
             self.measured_ms,
         )
-        why = self.regions_throttled()
         if why:
             # The comparison measured the other pool, not the program: fewer threads would
             # stay after that pool is gone (a hot swap's old version unloaded, say), at about

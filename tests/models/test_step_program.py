@@ -377,6 +377,40 @@ def test_a_throttled_tuning_keeps_every_thread(caplog: pytest.LogCaptureFixture)
         torch.set_num_threads(before)
 
 
+def test_a_tuning_throttled_for_a_moment_measures_again(caplog: pytest.LogCaptureFixture) -> None:
+    """Something that held a core only while the first tuning ran (another process starting
+    beside this one) does not decide the threads for the server's life: the tuning measures
+    once more after a pause and keeps what that measurement says."""
+    from dsinfer.layers.step_program import StepProgram
+
+    class ThrottledAtFirst(_SimulatedProgram):
+        def run(self, x: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+            import time
+
+            self.calls += 1
+            two = torch.get_num_threads() >= 2
+            if self.calls <= self.busy_calls:  # the first tuning: two threads throttled
+                time.sleep(0.008 if two else 0.002)
+            else:  # after: two threads twice as fast as one
+                time.sleep(0.002 if two else 0.004)
+            return x
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        program = StepProgram(ThrottledAtFirst(busy_calls=24))  # type: ignore[arg-type]
+        program.tune_threads(hidden=8, dtype=torch.float32, num_blocks=16)
+        assert program._program.calls == 24  # one tuning's calls: 2 buckets x (2 + 5 x 2)
+        program._program.calls = 0
+        with caplog.at_level(logging.INFO):
+            program.tuned(hidden=8, dtype=torch.float32, num_blocks=16)
+        assert "measuring again" in caplog.text and "keeping every" not in caplog.text
+        assert program.threads == {1: 2, 16: 2}
+        assert program._program.calls == 48
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_program_keeps_to_its_engines_share_of_the_cores() -> None:
     """Tuned to two threads, a step whose engine runs on one (two busy engines share the
     cores: device/host_threads.CoreShare) runs on one; on more, it keeps its tuned two."""
