@@ -122,11 +122,11 @@ class CoreShare:
         with self._lock:
             return len(self._busy_ids(time.monotonic()))
 
-    def threads(self, key: object | None = None) -> int:
-        """The intra-op threads of busy engine `key` (None: the fewest any busy engine gets)."""
+    def threads(self) -> int:
+        """The fewest intra-op threads any busy engine gets now (a step's own share: step)."""
         with self._lock:
             ids = self._busy_ids(time.monotonic())
-        return self._share_of(None if key is None else id(key), ids)
+        return self._share_of(None, ids)
 
     def _share_of(self, k: int | None, ids: list[int]) -> int:
         """Engine id k's threads among the busy `ids`: cores // busy each, and the remainder

@@ -183,20 +183,25 @@ class FusedCpuMLAAttention(MLAPagedAttention):
             return "the naive MLA decode is on"
         if cache.dtype not in _KERNEL_DTYPES or cache.dtype != dtype:
             return "the latent cache's dtype is not the activations' (fp32 or bf16)"
+        if not self._kernels_take_lora():
+            return (
+                f"this CPU's MLA projection kernels do not take kv_lora_rank {self.lora} "
+                "(they need AVX2 + FMA or AVX-512, and a multiple of their lanes)"
+            )
         if not self.reads_kv_b(kv_b):
-            if not self._lora_supported:
-                return (
-                    f"this CPU's MLA projection kernels do not take kv_lora_rank {self.lora} "
-                    "(they need AVX2 + FMA or AVX-512, and a multiple of their lanes)"
-                )
             return "the MLA projection kernels cannot read kv_b_proj's weight as it is"
         return None
 
     def reads_kv_b(self, kv_b: torch.Tensor) -> bool:
         """Whether the projection kernels take this weight as it is."""
-        if not hasattr(self, "_lora_supported"):  # a property of the build: asked once
+        return kv_b.dtype in _KERNEL_DTYPES and kv_b.is_contiguous() and self._kernels_take_lora()
+
+    def _kernels_take_lora(self) -> bool:
+        """Whether this build's projection kernels take the layer's kv_lora_rank (a property
+        of the build: asked once)."""
+        if not hasattr(self, "_lora_supported"):
             self._lora_supported = bool(torch.ops.dsinfer.mla_projections_supported(self.lora))
-        return kv_b.dtype in _KERNEL_DTYPES and kv_b.is_contiguous() and self._lora_supported
+        return self._lora_supported
 
     def _expand(self, c: torch.Tensor, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # One kernel reads kv_b as it is, where the reference widens all of it to fp32 (and
