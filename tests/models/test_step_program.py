@@ -199,7 +199,12 @@ def test_smollm2_int8_activations_program_equals_eager():
     assert_pool_clean(llm.engine)
 
 
-TINY_KV_LORA = 48  # _tiny_deepseek's latent width
+TINY_INT4_KV_LORA = 48  # _tiny_deepseek's latent width under int4 (DEEPSEEK_COMMON's: 16)
+
+
+def _kv_lora(quantization: str) -> int:
+    """_tiny_deepseek's kv_lora_rank for this quantisation."""
+    return TINY_INT4_KV_LORA if quantization == "int4" else DEEPSEEK_COMMON["kv_lora_rank"]
 
 
 def _tiny_deepseek(path, case: str, quantization: str, dtype: str, **kwargs) -> LLM:  # noqa: ANN001
@@ -220,7 +225,7 @@ def _tiny_deepseek(path, case: str, quantization: str, dtype: str, **kwargs) -> 
             hidden_size=128,
             intermediate_size=128,
             moe_intermediate_size=64,
-            kv_lora_rank=TINY_KV_LORA,
+            kv_lora_rank=TINY_INT4_KV_LORA,
             qk_nope_head_dim=16,
             qk_rope_head_dim=16,
             v_head_dim=32,
@@ -255,7 +260,7 @@ def test_deepseek_program_equals_eager(tmp_path, case: str, quantization: str, d
     """MLA (with and without a q LoRA), a dense first layer, then DeepSeekMoE (softmax and
     greedy, group-limited, V3's sigmoid with its selection bias and renormalised weights),
     in dense fp32, int8 and int4 weights: the program's hidden states are the eager path's."""
-    skip_without("mla_projections", TINY_KV_LORA)  # the program's MLA kernels
+    skip_without("mla_projections", _kv_lora(quantization))  # the program's MLA kernels
     if quantization == "int4":
         skip_without("int4_vnni")
     llm = _tiny_deepseek(tmp_path, case, quantization, dtype)
@@ -286,7 +291,7 @@ def test_deepseek_int8_activations_program_equals_eager(tmp_path):
 def test_deepseek_step_counts_one_program_call(tmp_path):
     """What the compile report counts: a DeepSeek decode step is a few operator calls from
     Python (embedding, the program), its kernels visible to the profiler under it."""
-    skip_without("mla_projections", TINY_KV_LORA)
+    skip_without("mla_projections", _kv_lora("none"))
     from dsinfer.artifact.report import decode_ops
     from dsinfer.models.loader import load_model
 
