@@ -2,16 +2,18 @@
 process, on the embedded SmolLM2 as `make serve` configures it.
 
     python benchmarks/prompt_lookup.py [--k 4] [--rounds 2] [--max-tokens 200]
+                                       [--temperature 0.7 --top-p 0.95]
 
-Workloads (greedy, chat template):
+Workloads (greedy unless --temperature, chat template):
 - copy: repeat a paragraph word for word (tests/data/long_text.txt's opening);
 - extract: a record's fields as JSON (the output copies names, dates and amounts);
 - story: free-form text, which seldom repeats its prompt (the cost side);
 - 16 stories at once: under load the drafter stands back (no drafts past 16 rows a step).
 
 Prints decode tokens a second (first token to last) with and without drafts, the ratio, the
-share of drafts kept, and whether the tokens were the same. The two engines alternate within
-each round: these machines drift by 25% over minutes.
+share of drafts kept, and whether the tokens were the same (sampled: each request's seed comes
+from its engine's seed stream, the same in both engines, so the tokens should be the same too).
+The two engines alternate within each round: these machines drift by 25% over minutes.
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ WORKLOADS = {
 }
 
 
-def decode_rate(llm: LLM, prompt: str, n: int, max_tokens: int) -> tuple[float, list, float]:
+def decode_rate(llm: LLM, prompt: str, n: int, params: SamplingParams) -> tuple[float, list, float]:
     """(decode tok/s over the batch, the token ids, drafts kept / drafted)."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     convs = [[{"role": "user", "content": prompt}]] * n
     outs = llm.chat(convs, params)
     first = min(o.metrics.first_token_time for o in outs)
@@ -64,7 +65,12 @@ def main() -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
     args = p.parse_args()
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
+    )
     torch.set_num_threads(2)
     # No prefix cache: a repeated prompt would otherwise be prefilled differently in later runs.
     plain = LLM("smollm2", enable_prefix_caching=False)
@@ -73,14 +79,16 @@ def main() -> int:
         ("16 stories", WORKLOADS["story"], 16)
     ]
     for llm in (plain, lookup):
-        decode_rate(llm, WORKLOADS["story"], 1, 8)  # warm-up
+        decode_rate(
+            llm, WORKLOADS["story"], 1, SamplingParams(temperature=0, max_tokens=8)
+        )  # warm-up
     print(f"| workload | plain tok/s | K={args.k} tok/s | ratio | drafts kept | same tokens |")
     print("|---|---|---|---|---|---|")
     for name, prompt, n in cases:
         ratios, rates = [], []
         for r in range(args.rounds):
             order = (plain, lookup) if r % 2 == 0 else (lookup, plain)
-            got = {id(llm): decode_rate(llm, prompt, n, args.max_tokens) for llm in order}
+            got = {id(llm): decode_rate(llm, prompt, n, params) for llm in order}
             a, b = got[id(plain)], got[id(lookup)]
             ratios.append(b[0] / a[0])
             rates.append((a[0], b[0], b[2], a[1] == b[1]))

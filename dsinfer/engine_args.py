@@ -156,7 +156,7 @@ class EngineArgs:
         default=0,
         metadata=_opt("prompt-lookup speculative decoding: draft up to K tokens a step from "
                       "where the request's last 2-3 tokens occurred before in its prompt or "
-                      "output, verified by the model (greedy requests; exact; 0: off)",
+                      "output, verified by the model (greedy or sampled; exact; 0: off)",
                       type=int, metavar="K"),
     )  # fmt: skip
     # The grid: on the command line through --parallel (and vLLM's -tp/-pp), see

@@ -125,19 +125,6 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
-    def allows_speculation(self) -> bool:
-        """Drafted tokens can be verified exactly: plain greedy, nothing that looks at tokens
-        one at a time (penalties, logprobs, stop strings). Constrained requests qualify: the
-        verifier checks each draft against the grammar (worker/spec_decode.py)."""
-        return (
-            self.greedy
-            and not self.needs_penalties
-            and self.logprobs is None
-            and not self.stop
-            and not self.logit_bias
-        )
-
-    @property
     def needs_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

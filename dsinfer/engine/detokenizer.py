@@ -30,11 +30,13 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
-    def add_tokens(self, token_ids: list[int], final: bool = False) -> None:
-        """Absorb new ids; sets `stopped_by` when a stop string appears."""
-        for tid in token_ids:
+    def add_tokens(self, token_ids: list[int], final: bool = False) -> int:
+        """Absorb new ids; sets `stopped_by` when a stop string appears. Returns how many ids
+        it absorbed: all of them, or those up to the one whose text completed a stop string
+        (a step that verified drafts may emit tokens past it)."""
+        for n, tid in enumerate(token_ids):
             if self.stopped_by is not None:
-                return
+                return n
             self._ids.append(tid)
             prefix_text = self._decode(self._ids[self._prefix : self._read])
             new_text = self._decode(self._ids[self._prefix :])
@@ -45,6 +47,7 @@ class IncrementalDetokenizer:
             prefix_text = self._decode(self._ids[self._prefix : self._read])
             self._append(self._decode(self._ids[self._prefix :])[len(prefix_text) :])
             self._read = len(self._ids)
+        return len(token_ids)
 
     def _append(self, delta: str) -> None:
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))

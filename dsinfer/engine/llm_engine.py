@@ -272,7 +272,13 @@ class LLMEngine:
         if tracked is None:
             return None
         req, detok = u.req, tracked.detok
-        detok.add_tokens(u.new_token_ids, final=u.finished)
+        new_ids = u.new_token_ids
+        used = detok.add_tokens(new_ids, final=u.finished)
+        if used < len(new_ids):
+            # A stop string ended the text inside a run of verified drafts: the output ends
+            # with the token that completed it, as a token-a-step decode would have ended.
+            req.drop_last_tokens(len(new_ids) - used)
+            new_ids = new_ids[:used]
         finished = u.finished
         if detok.stopped_by is not None and not finished:
             req.stop_reason = detok.stopped_by
@@ -282,9 +288,9 @@ class LLMEngine:
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stopped_by
         if finished:
             self._tracked.pop(req.request_id, None)
-        if not u.new_token_ids and not finished and not req.prompt_logprobs:
+        if not new_ids and not finished and not req.prompt_logprobs:
             return None
-        return self._make_output(tracked, u.new_token_ids, finished)
+        return self._make_output(tracked, new_ids, finished)
 
     def _make_output(self, tracked: _Tracked, new_ids: list[int], finished: bool) -> RequestOutput:
         req = tracked.req

@@ -71,6 +71,14 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def drop_last_tokens(self, n: int) -> None:
+        """Take back the last n output tokens (and their logprobs) of a request that is
+        finishing: a stop string ended its text before them."""
+        if n > 0:
+            del self.output_token_ids[-n:]
+            del self.all_token_ids[-n:]
+            del self.logprobs[len(self.output_token_ids) :]
+
     def check_stop_token(self) -> RequestStatus | None:
         """Token-level finish rules (stop strings are checked on text, by the detokenizer)."""
         n_out = len(self.output_token_ids)

@@ -216,8 +216,7 @@ class Scheduler:
             status = req.check_stop_token()
             if status is not None:
                 break
-        if seq.req_id in result.logprobs:
-            req.logprobs.append(result.logprobs[seq.req_id])
+        req.logprobs.extend(result.logprobs.get(seq.req_id, [])[: len(appended)])
         if req.first_token_time is None:
             req.first_token_time = now
         req.num_draft_tokens += seq.num_draft

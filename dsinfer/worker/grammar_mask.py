@@ -52,16 +52,14 @@ class GrammarState:
         """The grammar accepted its stop token: the request ends here."""
         return bool(self.matcher.is_terminated())
 
-    def greedy(self, logits: torch.Tensor) -> int:
-        """The most likely allowed token of one logits row [V], accepted into the grammar
-        (speculative verification: the token a greedy step would have sampled here)."""
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """One logits row [V] → a fp32 copy [1, V] with the tokens the grammar forbids next at
+        -inf (speculative verification reads each check row after the tokens before it)."""
         bitmask = all_allowed(1, logits.shape[-1])
         self.fill(bitmask, 0)
         row = logits.unsqueeze(0).float().clone()  # [1, V]: masked in place
         apply_bitmask(row, bitmask)
-        token = int(row.argmax())
-        self.accept(token)
-        return token
+        return row
 
     def rollback_to(self, num_accepted: int) -> None:
         """Undo tokens accepted in a step that failed (the step may be retried)."""

@@ -23,7 +23,7 @@ from dsinfer.worker.input_batch import ModelInput, build_model_input
 from dsinfer.worker.kv_cache import allocate_kv_cache
 from dsinfer.worker.ngram_drafter import NgramDrafter
 from dsinfer.worker.sampler import Sampler, SamplerState, prompt_logprob_entries
-from dsinfer.worker.spec_decode import MTPDrafter, draft_rows, sample_rows, verify_greedy
+from dsinfer.worker.spec_decode import MTPDrafter, draft_rows, sample_rows, verify_drafts
 from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -271,12 +271,7 @@ class ModelRunner:
             spec, check = draft_rows(inp, {inp.seqs[i].req_id for i in sample_idx})
             check_logits = self._logits(hidden[torch.tensor(check)]) if check else None
             if check_logits is not None:
-                grammars = {
-                    inp.seqs[i].req_id: st.grammar
-                    for i, st in zip(sample_idx, states, strict=True)
-                    if st.grammar is not None
-                }
-                verify_greedy(check_logits, spec, result, grammars)
+                verify_drafts(check_logits, spec, result, self.states, self.sampler)
                 for rid, extra in result.bonus.items():
                     self.states[rid].output_token_ids.extend(extra)
         if self.drafter is not None:
@@ -309,10 +304,14 @@ class ModelRunner:
             if st.grammar is not None:
                 st.grammar.accept(tok)
             if lp is not None:
-                result.logprobs[rid] = lp
+                result.logprobs[rid] = [lp]
 
-    def _wants_draft(self, inp) -> set[str]:  # noqa: ANN001
-        return {s.req_id for s in inp.seqs if self.states[s.req_id].params.allows_speculation}
+    @staticmethod
+    def _wants_draft(inp) -> set[str]:  # noqa: ANN001
+        """Every request: drafts verify exactly whatever it asks of the sampler
+        (worker/spec_decode.py), and a stop string inside a verified run ends the output
+        where it would have ended (LLMEngine._process)."""
+        return {s.req_id for s in inp.seqs}
 
     def _sample_rows(self, inp) -> tuple[list[int], torch.Tensor | None]:  # noqa: ANN001
         """Which sequences sample this step, and the hidden-state row of each."""

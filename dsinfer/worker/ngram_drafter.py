@@ -3,10 +3,10 @@ last few tokens, verified by the main model like any other drafts (worker/spec_d
 
 Summaries, record extraction and edits copy spans of their input; where a request's last n
 tokens (n from `max_ngram` down to `min_ngram`) occurred before in its prompt or output, the
-k tokens after that occurrence are a draft that costs no model at all. Greedy verification
-keeps the output exactly what plain decoding gives; a wrong draft costs only the extra rows it
-put in the step. Where nothing matches, no draft: the step stays a plain decode (on the CPU, the
-captured program).
+k tokens after that occurrence are a draft that costs no model at all. Verification (greedy
+or sampled) keeps the output exactly what plain decoding gives; a wrong draft costs only the
+extra rows it put in the step. Where nothing matches, no draft: the step stays a plain decode
+(on the CPU, the captured program).
 
 Each request keeps an index, n-gram → the position just after its latest occurrence, grown
 by the tokens appended since the last step: a lookup costs O(max_ngram), not a scan of the
@@ -64,7 +64,7 @@ class _NgramIndex:
 
 
 class NgramDrafter:
-    """Up to k draft tokens a step for each greedy request whose recent tokens recur.
+    """Up to k draft tokens a step for each request whose recent tokens recur.
 
     `history(req_id)` gives a request's tokens so far (prompt and output, this step's
     included); `forget(req_id)` drops a finished request's index."""

@@ -1,11 +1,20 @@
-"""Self-speculative decoding on the worker: verify drafts greedily, propose the next ones.
+"""Self-speculative decoding on the worker: verify drafts by sampling, propose the next ones.
 
 A step may carry, for a decode, draft tokens after the real last token: [t_n, d_{n+1}, …]. The
 main model runs them as one small chunk, so it yields logits at every position in one pass.
-Verification is exact for plain greedy requests (the only ones the scheduler drafts for): keep
-the sampled token s_{n+1}; while it equals the draft at that position, the next row's argmax is
-a further token. Rejected positions need no KV rollback: the scheduler counts only verified
-positions as computed, and the next step overwrites the rest.
+Rejected positions need no KV rollback: the scheduler counts only verified positions as
+computed, and the next step overwrites the rest.
+
+Verification is exact for greedy and sampled requests alike. Every drafter here proposes one
+token per position, not a distribution (a point mass q), and for such a draft speculative
+sampling's rule (accept d with probability min(1, p(d)/q(d)) = p(d), else draw from p without
+d) is the same as: draw the token from the row's own distribution p, exactly as a plain step
+would, and keep going while the drawn token equals the draft. So each row after the sampled one
+is drawn by the request's sampler (penalties over the tokens before it, logit bias,
+temperature, top-k/p, min-p, its grammar), and the draft at that position decides only whether
+the next row is read at all. Each row drawn consumes one number of the request's generator,
+in order, as a plain step does; rows drawn but not emitted are given back (the generator is
+rewound): a seed gives the text plain decoding gives, wherever the logits agree bit for bit.
 
 The MTP drafter runs the model's multi-token-prediction layer over the same rows and attention
 metadata as the main pass (its own KV layer), each row fed with the token that follows it, and
@@ -16,12 +25,15 @@ driver)` fills result.drafts, `forget(req_id)` when a request ends.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dsinfer.distributed.comm import share_with_stage
-from dsinfer.worker.grammar_mask import GrammarState
 from dsinfer.worker.input_batch import ModelInput
+from dsinfer.worker.sampler import Sampler, SamplerState
 from dsinfer.worker.step_io import ModelRunnerOutput
+from dsinfer.worker.token_draw import skip_draws
 
 
 def sample_rows(inp: ModelInput) -> list[int]:
@@ -36,36 +48,104 @@ def draft_rows(inp: ModelInput, sampled: set[str] | dict) -> tuple[list, list[in
     return spec, rows
 
 
-def verify_greedy(
+def verify_drafts(
     logits: torch.Tensor,
     spec: list,
     result: ModelRunnerOutput,
-    grammars: dict[str, GrammarState] | None = None,
+    states: dict[str, SamplerState],
+    sampler: Sampler,
 ) -> None:
-    """Extend result.sampled with result.bonus: tokens that accepted drafts make certain.
-    `spec` and the rows of `logits` [rows, V] are draft_rows' (one row per draft). A
-    constrained request's rows are checked against its grammar: each verified token is the
-    argmax over the tokens the grammar allows there (and is accepted into it), so a draft the
-    grammar forbids is never kept."""
+    """Extend result.sampled with result.bonus (and result.logprobs with theirs): the tokens
+    each row after the sampled one draws while the token before it equals the draft there.
+    `spec` and the rows of `logits` [rows, V] (fp32) are draft_rows' (one row per draft);
+    `states` holds each request's sampler state, whose output already ends with the sampled
+    token. Constrained requests are read a row at a time (each row's mask follows the grammar
+    through the tokens before it); the others in one sampler call."""
     if not spec:
         return
-    argmax = logits.argmax(dim=-1).tolist()
-    grammars = grammars or {}
-    k = 0
+    free = [(i, s) for i, s in spec if states[s.req_id].grammar is None]
+    k, first_row = 0, {}
     for _i, s in spec:
-        drafts = s.token_ids[-s.num_draft :]
-        grammar = grammars.get(s.req_id)
-        accepted: list[int] = []
-        last = result.sampled[s.req_id]
-        for j, draft in enumerate(drafts):
-            if last != draft or (grammar is not None and grammar.finished):
-                break  # a rejected draft, or the grammar ended (nothing may follow its end)
-            next_tok = argmax[k + j] if grammar is None else grammar.greedy(logits[k + j])
-            accepted.append(next_tok)
-            last = next_tok
+        first_row[s.req_id] = k
         k += s.num_draft
-        if accepted:
-            result.bonus[s.req_id] = accepted
+    if free:
+        _verify_batched(logits, free, first_row, result, states, sampler)
+    for _i, s in spec:
+        if states[s.req_id].grammar is not None:
+            _verify_constrained(logits, s, first_row[s.req_id], result, states[s.req_id], sampler)
+
+
+def _row_state(st: SamplerState, drafts: list[int], j: int) -> SamplerState:
+    """The sampler state of check row j (0-based; the row fed draft j): the output so far
+    (ending with the sampled token, which equals draft 0 whenever this row counts), then
+    drafts 1..j, which are the tokens drawn before this row whenever its token is kept. The
+    penalties count them, as a plain step at that position would."""
+    if not st.params.needs_penalties or j == 0:
+        return st
+    return dataclasses.replace(st, output_token_ids=st.output_token_ids + drafts[1 : j + 1])
+
+
+def _emitted(last: int, drafts: list[int], drawn: list[int]) -> int:
+    """How many check rows' tokens a run of drafts lets through: row j's token counts while
+    the token before it (the sampled one for row 0) equals draft j."""
+    n = 0
+    for draft, tok in zip(drafts, drawn, strict=True):
+        if last != draft:
+            break
+        n, last = n + 1, tok
+    return n
+
+
+def _verify_batched(logits, spec, first_row, result, states, sampler) -> None:  # noqa: ANN001
+    """Every check row of requests without a grammar, drawn in one sampler call. A sampled
+    request's rows draw from its generator in row order (row j takes the j-th number after the
+    sampled token's, as plain steps would); afterwards the generator is rewound and advanced
+    past the rows emitted only."""
+    rows: list[int] = []
+    row_states: list[SamplerState] = []
+    rewind: dict[str, torch.Tensor] = {}
+    for _i, s in spec:
+        st = states[s.req_id]
+        drafts = s.token_ids[-s.num_draft :]
+        rows.extend(range(first_row[s.req_id], first_row[s.req_id] + s.num_draft))
+        row_states.extend(_row_state(st, drafts, j) for j in range(s.num_draft))
+        if not st.params.greedy:
+            rewind[s.req_id] = st.generator.get_state()
+    selected = logits if len(rows) == logits.shape[0] else logits[rows]
+    tokens, lps = sampler(selected, row_states)
+    r = 0
+    for _i, s in spec:
+        st = states[s.req_id]
+        drafts = s.token_ids[-s.num_draft :]
+        n = _emitted(result.sampled[s.req_id], drafts, tokens[r : r + s.num_draft])
+        if s.req_id in rewind:
+            st.generator.set_state(rewind[s.req_id])
+            skip_draws(st.generator, n)
+        if n:
+            result.bonus[s.req_id] = tokens[r : r + n]
+            if s.req_id in result.logprobs:
+                result.logprobs[s.req_id].extend(lps[r : r + n])  # type: ignore[arg-type]
+        r += s.num_draft
+
+
+def _verify_constrained(logits, s, first, result, st, sampler) -> None:  # noqa: ANN001
+    """The check rows of one constrained request, a row at a time: each row is masked by the
+    grammar after the tokens before it, drawn, and its token accepted into the grammar."""
+    drafts = s.token_ids[-s.num_draft :]
+    last = result.sampled[s.req_id]
+    accepted: list[int] = []
+    for j, draft in enumerate(drafts):
+        if last != draft or st.grammar.finished:
+            break  # a rejected draft, or the grammar ended (nothing may follow its end)
+        row = st.grammar.masked(logits[first + j])  # [1, V]
+        (tok,), (lp,) = sampler(row, [_row_state(st, drafts, j)])
+        st.grammar.accept(tok)
+        accepted.append(tok)
+        if lp is not None and s.req_id in result.logprobs:
+            result.logprobs[s.req_id].append(lp)
+        last = tok
+    if accepted:
+        result.bonus[s.req_id] = accepted
 
 
 class MTPDrafter:

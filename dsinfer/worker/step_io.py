@@ -52,10 +52,11 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
-    # Tokens after `sampled` that verified drafts let this step emit too (greedy).
+    # Tokens after `sampled` that verified drafts let this step emit too.
     bonus: dict[str, list[int]] = field(default_factory=dict)
     # Draft tokens proposed for each request's next step (MTP).
     drafts: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Where asked: one entry for `sampled`, then one for each token of `bonus`.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # req_id -> [(position of the predicted prompt token, its logprobs)]
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)

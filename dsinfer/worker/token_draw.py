@@ -118,8 +118,19 @@ def draw_tokens(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
 def _uniforms(generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
     """One fp64 uniform in [0, 1) from each row's generator, drawn on the generator's device (a
     request's generator lives where the model runs) → [B] on `device`."""
-    u = [torch.rand(1, generator=g, dtype=torch.float64, device=g.device) for g in generators]
-    return torch.cat(u).to(device)
+    return torch.cat([_draw_one(g) for g in generators]).to(device)
+
+
+def _draw_one(generator: torch.Generator) -> torch.Tensor:
+    """A row's one number: [1] fp64 in [0, 1) on the generator's device."""
+    return torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)
+
+
+def skip_draws(generator: torch.Generator, n: int) -> None:
+    """Advance a generator past n rows' numbers, as n draws would (speculative verification
+    gives back the rows it drew but did not emit: worker/spec_decode.py)."""
+    for _ in range(n):
+        _draw_one(generator)
 
 
 def _nan_argmax(row: torch.Tensor) -> int:

@@ -51,3 +51,15 @@ def test_held_back_text_flushed_when_no_stop(tok):
     pieces, d = _stream(tok, "partial STO", stop=["STOP"])
     assert d.stopped_by is None
     assert "".join(pieces) == "partial STO"
+
+
+def test_a_stop_string_inside_a_run_of_tokens_says_where_the_text_ended(tok):
+    """Several ids at once (a step that verified drafts): add_tokens absorbs them up to the
+    one whose text completes the stop string and says how many that was."""
+    ids = tok.encode("Hello there. STOP and more text")
+    upto = next(n for n in range(1, len(ids) + 1) if "STOP" in tok.decode(ids[:n]))
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["STOP"]))
+    assert d.add_tokens(ids[:2]) == 2
+    assert d.add_tokens(ids[2:]) == upto - 2 < len(ids) - 2
+    assert d.stopped_by == "STOP" and d.text == "Hello there. "
+    assert d.add_tokens(ids[-1:]) == 0  # nothing after the stop

@@ -55,12 +55,75 @@ def test_greedy_with_mtp_equals_greedy_without(mtp_path):
     assert_pool_clean(on.engine)
 
 
-def test_sampled_and_stop_string_requests_are_not_drafted(mtp_path):
-    on = _llm(mtp_path)
-    params = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
-    out = on.generate([{"prompt_token_ids": PROMPTS[0]}], params)[0]
-    assert out.metrics.num_draft_tokens == 0 and len(out.outputs[0].token_ids) == 12
+# Sampled requests that touch every part of the sampler a verified row goes through.
+SAMPLED = [
+    SamplingParams(temperature=0.8, top_p=0.95, seed=1, max_tokens=24, ignore_eos=True),
+    SamplingParams(
+        temperature=1.0,
+        top_k=40,
+        seed=7,
+        max_tokens=24,
+        ignore_eos=True,
+        frequency_penalty=0.5,
+        repetition_penalty=1.2,
+        logit_bias={5: 3.0},
+        logprobs=2,
+    ),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLED, ids=["top_p", "penalties_bias_logprobs"])
+def test_sampled_with_mtp_equals_sampled_without(mtp_path, params):
+    """Sampled requests are drafted too, and each verified row is drawn as a plain step draws
+    it (its generator's next number, its penalties over the tokens before it): a seed gives
+    the same tokens and logprobs with MTP on as off."""
+    on, off = _llm(mtp_path), _llm(mtp_path, mtp=False)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got, ref = on.generate(prompts, params), off.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    if params.logprobs is not None:
+        for g, r in zip(got, ref, strict=True):
+            assert len(g.outputs[0].logprobs) == len(r.outputs[0].logprobs) == 24
+            for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
+                assert (a.token_id, a.rank) == (b.token_id, b.rank)
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert sum(o.metrics.num_draft_tokens for o in got) > 40
     assert_pool_clean(on.engine)
+
+
+def test_a_stop_string_inside_a_verified_run_ends_the_output_there(mtp_path):
+    """A stop string that a step's first token completes, with an accepted draft's token after
+    it: the output ends where a token-a-step decode ends it (the token after is taken back),
+    text, tokens, logprobs and finish reason alike."""
+    off = _llm(mtp_path, mtp=False)
+    prompt = [{"prompt_token_ids": PROMPTS[2]}]
+    free = off.generate(prompt, GREEDY)[0].outputs[0]
+    full = {0: PROMPTS[2] + list(free.token_ids)}
+    words = free.text.split()  # one word a token ("w291", …); it loops for its first dozen
+    checked = 0
+    for at in range(12, 20):  # stop strings completed at consecutive tokens: both parities
+        stop = words[at]
+        if stop in " ".join(words[:at]):
+            continue  # earlier text would stop there
+        params = SamplingParams(
+            temperature=0, max_tokens=32, ignore_eos=True, stop=[stop], logprobs=1
+        )
+        want = off.generate(prompt, params)[0]
+        llm = _llm(mtp_path, mtp=False)
+        llm.engine.executor.runner.drafter = OracleDrafter(full, "1")  # every draft right
+        got = llm.generate(prompt, params)[0]
+        g, w = got.outputs[0], want.outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (
+            w.token_ids,
+            w.text,
+            "stop",
+            stop,
+        )
+        assert [e.token_id for e in g.logprobs] == list(g.token_ids)
+        assert got.metrics.num_accepted_draft_tokens > 0
+        assert_pool_clean(llm.engine)
+        checked += 1
+    assert checked >= 4
 
 
 class OracleDrafter:
@@ -91,15 +154,19 @@ class OracleDrafter:
         pass
 
 
-def test_verification_accepts_and_rejects_exactly(mtp_path):
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED[1]], ids=["greedy", "sampled"])
+def test_verification_accepts_and_rejects_exactly(mtp_path, params):
+    """Drafts right or wrong on a fixed pattern: the output is plain decoding's (for a sampled
+    request, with the same seed: a right draft is accepted because the row draws what the
+    plain step drew), and the accepted share follows the pattern."""
     off = _llm(mtp_path, mtp=False)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    ref = off.generate(prompts, GREEDY)
+    ref = off.generate(prompts, params)
     full = {i: PROMPTS[i] + list(o.outputs[0].token_ids) for i, o in enumerate(ref)}
     llm = _llm(mtp_path, mtp=False)
     oracle = OracleDrafter(full, "1101")
     llm.engine.executor.runner.drafter = oracle
-    got = llm.generate(prompts, GREEDY)
+    got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     drafted = sum(o.metrics.num_draft_tokens for o in got)
     accepted = sum(o.metrics.num_accepted_draft_tokens for o in got)

@@ -38,6 +38,10 @@ def test_usage_and_metrics_report_drafts(mtp_dir):
             sampled = client.completions.create(
                 model="tiny", prompt="w5", max_tokens=4, temperature=0.9, seed=3
             )
-            assert sampled.usage.completion_tokens_details is None  # nothing was drafted
+            details = sampled.usage.completion_tokens_details  # sampled requests draft too
+            drafted = details.accepted_prediction_tokens + details.rejected_prediction_tokens
+            assert sampled.usage.completion_tokens == 4 and drafted == 2
+            one = client.completions.create(model="tiny", prompt="w5", max_tokens=1)
+            assert one.usage.completion_tokens_details is None  # nothing was drafted
     finally:
         runner.shutdown()

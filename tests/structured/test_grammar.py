@@ -124,14 +124,16 @@ def test_n_and_preemption_keep_outputs_valid(tmp_path):
 
 
 def test_drafts_are_verified_against_the_grammar(tmp_path):
-    """verify_greedy on designed logits: without a grammar the row's argmax (a forbidden token)
-    ends the run of drafts; with it, each row's best allowed token is taken and accepted."""
+    """verify_drafts on designed logits: without a grammar the row's argmax (a forbidden token)
+    ends the run of drafts; with it, each row's best allowed token is taken and accepted, and a
+    sampled request draws only allowed tokens."""
     from types import SimpleNamespace
 
     from dsinfer.structured import GrammarCompiler
     from dsinfer.tokenizer import load_tokenizer
     from dsinfer.worker.grammar_mask import GrammarState
-    from dsinfer.worker.spec_decode import draft_rows, verify_greedy
+    from dsinfer.worker.sampler import Sampler, SamplerState
+    from dsinfer.worker.spec_decode import draft_rows, verify_drafts
     from dsinfer.worker.step_io import ModelRunnerOutput, ScheduledSeq
     from tests.helpers import write_tiny_tokenizer as _tokenizer_files
 
@@ -146,19 +148,37 @@ def test_drafts_are_verified_against_the_grammar(tmp_path):
     logits = torch.zeros(2, vocab)
     logits[0, 4], logits[0, 5] = 9.0, 8.0  # after w3: w4 (forbidden) beats w5
     logits[1, 7] = 9.0  # after w5: w7
+    greedy = SamplingParams(temperature=0)
+    compiler = GrammarCompiler(tok, vocab)
+
+    def state(params, grammar=None) -> SamplerState:  # noqa: ANN001
+        # The sampled token is in the output, and accepted into the grammar, as the runner does.
+        if grammar is not None:
+            grammar.accept(3)
+        return SamplerState(params, [9], torch.Generator().manual_seed(0), [3], grammar)
+
+    def odd_words() -> GrammarState:
+        return GrammarState(compiler.new_matcher(StructuredOutputs(regex="(w[13579]){1,40}")))
 
     free = ModelRunnerOutput(sampled={"r": 3})
-    verify_greedy(logits, spec, free)
+    verify_drafts(logits.clone(), spec, free, {"r": state(greedy)}, Sampler())
     assert free.bonus == {"r": [4]}  # w4 ≠ draft w5: the run ends
 
-    grammar = GrammarState(
-        GrammarCompiler(tok, vocab).new_matcher(StructuredOutputs(regex="(w[13579]){1,40}"))
-    )
-    grammar.accept(3)  # the sampled token, as the runner accepts it before verifying
+    grammar = odd_words()
     constrained = ModelRunnerOutput(sampled={"r": 3})
-    verify_greedy(logits, spec, constrained, {"r": grammar})
+    verify_drafts(logits.clone(), spec, constrained, {"r": state(greedy, grammar)}, Sampler())
     assert constrained.bonus == {"r": [5, 7]}  # w5 (allowed) = draft 2, then w7
     assert grammar.num_accepted == 3
+
+    # Sampled at temperature 1: w4 holds ~73% of row 1's mass, yet no draw may take it.
+    for seed in range(10):
+        grammar = odd_words()
+        st = state(SamplingParams(temperature=1.0, seed=seed), grammar)
+        st.generator.manual_seed(seed)
+        drawn = ModelRunnerOutput(sampled={"r": 3})
+        verify_drafts(logits.clone(), spec, drawn, {"r": st}, Sampler())
+        bonus = drawn.bonus["r"]  # each one accepted by the grammar (accept raises otherwise)
+        assert bonus[0] != 4 and grammar.num_accepted == 1 + len(bonus)
 
 
 def test_bitmask_op_matches_torch():

@@ -73,7 +73,7 @@ def test_prompt_lookup_keeps_plain_decodings_tokens_in_fewer_steps():
     greedy = SamplingParams(temperature=0, max_tokens=48)
     conv = [{"role": "user", "content": COPY}]
     plain = LLM("smollm2", kv_cache_memory="64MiB", enable_prefix_caching=False)
-    want = plain.chat(conv, greedy)[0]
+    want = copied = plain.chat(conv, greedy)[0]
     llm = LLM("smollm2", kv_cache_memory="64MiB", enable_prefix_caching=False, ngram_speculation=4)
     assert llm.engine.executor.runner.step_program
     got = llm.chat(conv, greedy)[0]
@@ -82,7 +82,17 @@ def test_prompt_lookup_keeps_plain_decodings_tokens_in_fewer_steps():
     assert (
         m.num_draft_tokens > 0 and m.num_accepted_draft_tokens > len(got.outputs[0].token_ids) / 3
     )
-    # A request that may not speculate (sampled) gets no drafts.
-    sampled = llm.chat(conv, SamplingParams(temperature=0.8, max_tokens=16, seed=1))[0]
-    assert sampled.metrics.num_draft_tokens == 0
+    # Sampled, the same: each verified row draws its generator's next number, as a plain step.
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=48, seed=1)
+    want = plain.chat(conv, sampled)[0]
+    got = llm.chat(conv, sampled)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.metrics.num_accepted_draft_tokens > len(got.outputs[0].token_ids) / 3
+    # A stop string inside a run of accepted drafts ends the output where plain decoding does.
+    text = copied.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 6]
+    stopping = SamplingParams(temperature=0, max_tokens=48, stop=[stop])
+    want, got = plain.chat(conv, stopping)[0].outputs[0], llm.chat(conv, stopping)[0].outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop")
+    assert len(got.token_ids) < 48
     assert_pool_clean(llm.engine)
