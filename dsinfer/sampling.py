@@ -27,7 +27,10 @@ class SamplingParams:
     alternatives per token), prompt_logprobs (same, for the prompt). skip_special_tokens
     (True): special tokens left out of the text. logit_bias ({}): token id → bias added to
     the logits, [-100, 100]. structured (None): a JSON schema, regex, choice or grammar the
-    output must match (dsinfer.structured.StructuredOutputs).
+    output must match (dsinfer.structured.StructuredOutputs). prediction (None): text the
+    output is expected to repeat mostly (OpenAI's predicted outputs: a file or record with a
+    few edits); its tokens are drafted and verified, so the output is exactly what it would
+    be without it, only sooner where the prediction is right.
     """
 
     n: int = 1
@@ -53,6 +56,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Constrained decoding: the output must match this (JSON schema, regex, choice, grammar).
     structured: StructuredOutputs | None = None
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,6 +110,11 @@ class SamplingParams:
             self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
             "seed",
             f"must be a 64-bit signed integer, got {self.seed}",
+        )
+        _check(
+            self.prediction is None or isinstance(self.prediction, str),
+            "prediction",
+            f"must be text, got {type(self.prediction).__name__}",
         )
         if self.structured is not None:
             # The grammar decides where the output ends (only end-of-turn tokens are allowed

@@ -182,6 +182,10 @@ class LLMEngine:
             self.grammars.compile(params.structured)  # ValueError for a bad constraint
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.tokenizer.eos_token_ids, self.max_model_len)
+        if params.prediction:
+            # No more of it than the request may emit: the rest could never be drafted.
+            predicted = self.tokenizer.encode(params.prediction, add_special_tokens=False)
+            req.prediction_token_ids = predicted[: req.max_tokens]
         self.scheduler.add_request(req)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params)
         self._tracked[rid] = _Tracked(req, prompt if isinstance(prompt, str) else None, detok)

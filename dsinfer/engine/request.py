@@ -49,6 +49,8 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # The predicted output's tokens (SamplingParams.prediction), drafted from by the worker.
+    prediction_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -137,7 +137,11 @@ class Scheduler:
             if s.req_id not in self._announced:
                 req = self.requests[s.req_id]
                 self._announced.add(s.req_id)
-                new_reqs.append(NewRequestData(s.req_id, req.prompt_token_ids, req.params))
+                new_reqs.append(
+                    NewRequestData(
+                        s.req_id, req.prompt_token_ids, req.params, req.prediction_token_ids
+                    )
+                )
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(seqs=seqs, new_requests=new_reqs, finished_req_ids=finished)
 

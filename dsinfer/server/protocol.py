@@ -5,7 +5,7 @@ Validation errors name the offending field, so the API can answer 400 with `para
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -27,6 +27,7 @@ class StreamOptions(BaseModel):
 
 MAX_LOGIT_BIAS = 300
 MAX_CHOICES = 64
+MAX_PREDICTION_PARTS = 64
 
 
 class JSONSchemaFormat(BaseModel):
@@ -52,6 +53,29 @@ class ResponseFormat(BaseModel):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type json_schema needs json_schema: {name, schema}")
         return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted output: text the answer is expected to repeat mostly (a file with a
+    few edits). Its tokens are drafted and verified (worker/prediction_drafter.py): the answer
+    is the same with it or without it, only sooner where it is right."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_PREDICTION_PARTS)]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
 
 
 class StructuredOutputsParams(BaseModel):
@@ -103,6 +127,7 @@ class _Common(BaseModel):
     guided_choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES)
     guided_grammar: str | None = None
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
+    prediction: Prediction | None = None
 
     @classmethod
     def screen(cls, data: dict[str, Any], lenient: bool) -> dict[str, Any]:
@@ -222,6 +247,7 @@ class _Common(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             structured=structured,
+            prediction=self.prediction.text() if self.prediction is not None else None,
         )
 
 

@@ -27,7 +27,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "function_call": "the deprecated function_call field is not supported; send tool_choice",
     "audio": "audio output is not supported: these models write text",
     "modalities": "only text output is supported",
-    "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
     "reasoning_effort": "reasoning effort cannot be set: DeepSeek-R1-style models have no "
     "effort control (the reasoning is parsed apart into reasoning_content)",

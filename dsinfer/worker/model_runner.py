@@ -22,6 +22,7 @@ from dsinfer.worker.grammar_mask import BitmaskFiller, GrammarState, apply_bitma
 from dsinfer.worker.input_batch import ModelInput, build_model_input
 from dsinfer.worker.kv_cache import allocate_kv_cache
 from dsinfer.worker.ngram_drafter import NgramDrafter
+from dsinfer.worker.prediction_drafter import PredictionDrafter
 from dsinfer.worker.sampler import Sampler, SamplerState, prompt_logprob_entries
 from dsinfer.worker.spec_decode import MTPDrafter, draft_rows, sample_rows, verify_drafts
 from dsinfer.worker.step_io import ModelRunnerOutput, SchedulerOutput
@@ -91,6 +92,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, SamplerState] = {}
         self.drafter = self._drafter(speculative, ngram_speculation)
+        # Requests that carry a predicted output draft from it instead (prediction_drafter.py).
+        self.predictions = PredictionDrafter(lambda rid: self.states[rid].output_token_ids)
         # Constrained decoding: the engine hands its compiler over (use_grammars); bitmasks
         # are filled on a helper thread during the forward pass.
         self.grammars: GrammarCompiler | None = None
@@ -245,10 +248,13 @@ class ModelRunner:
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for rid in out.finished_req_ids:
             self.states.pop(rid, None)
+            self.predictions.forget(rid)
             if self.drafter is not None:
                 self.drafter.forget(rid)
         for nr in out.new_requests:
             self.states[nr.req_id] = self._new_state(nr.params, nr.prompt_token_ids)
+            if nr.prediction_token_ids:
+                self.predictions.start(nr.req_id, nr.prediction_token_ids)
         result = ModelRunnerOutput()
         if not out.seqs:
             return result
@@ -274,8 +280,15 @@ class ModelRunner:
                 verify_drafts(check_logits, spec, result, self.states, self.sampler)
                 for rid, extra in result.bonus.items():
                     self.states[rid].output_token_ids.extend(extra)
+        # Any request may be drafted for: verification is exact whatever it asks of the sampler
+        # (spec_decode.py), and a stop string inside a verified run ends the output where a
+        # token-a-step decode ends it (LLMEngine._process).
+        predicted = self.predictions.req_ids
         if self.drafter is not None:
-            self.drafter.propose(inp, hidden, result, self._wants_draft(inp), self.driver)
+            wants = {s.req_id for s in inp.seqs} - predicted
+            self.drafter.propose(inp, hidden, result, wants, self.driver)
+        if predicted:
+            self.predictions.propose(inp, hidden, result, predicted, self.driver)
         self._prompt_logprobs(inp, hidden, result)
         return result if self.driver else ModelRunnerOutput()
 
@@ -305,13 +318,6 @@ class ModelRunner:
                 st.grammar.accept(tok)
             if lp is not None:
                 result.logprobs[rid] = [lp]
-
-    @staticmethod
-    def _wants_draft(inp) -> set[str]:  # noqa: ANN001
-        """Every request: drafts verify exactly whatever it asks of the sampler
-        (worker/spec_decode.py), and a stop string inside a verified run ends the output
-        where it would have ended (LLMEngine._process)."""
-        return {s.req_id for s in inp.seqs}
 
     def _sample_rows(self, inp) -> tuple[list[int], torch.Tensor | None]:  # noqa: ANN001
         """Which sequences sample this step, and the hidden-state row of each."""

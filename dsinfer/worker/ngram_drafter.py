@@ -31,6 +31,20 @@ from dsinfer.worker.step_io import ModelRunnerOutput
 MAX_STEP_ROWS = 16
 
 
+class DraftLength:
+    """How many tokens a request drafts next, from what verification kept: a step that
+    rejected the draft at position j proposes j + 1 next, one that kept them all doubles it
+    (up to k)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.tokens = k
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """The last step checked `drafted` drafts and kept `accepted` of them."""
+        self.tokens = min(self.k, 2 * self.tokens) if accepted == drafted else accepted + 1
+
+
 class _NgramIndex:
     """n-grams of one token history, each mapped to the position after its latest occurrence
     among those that have a following token."""
@@ -39,11 +53,7 @@ class _NgramIndex:
         self.sizes = range(min_ngram, max_ngram + 1)
         self.after: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `after`
-        self.length = k  # what it drafts next
-
-    def verified(self, drafted: int, accepted: int, k: int) -> None:
-        """The last step checked `drafted` drafts and kept `accepted` of them; k: the most."""
-        self.length = min(k, 2 * self.length) if accepted == drafted else accepted + 1
+        self.length = DraftLength(k)  # what it drafts next
 
     def lookup(self, history: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of history's longest
@@ -102,10 +112,10 @@ class NgramDrafter:
             if index is None:
                 index = self._index[rid] = _NgramIndex(self.min_ngram, self.max_ngram, self.k)
             if s.num_draft:
-                index.verified(s.num_draft, len(result.bonus.get(rid, [])), self.k)
+                index.length.verified(s.num_draft, len(result.bonus.get(rid, [])))
             if share < 1:
                 continue  # (its index catches up at the next lookup)
-            draft = index.lookup(self.history(rid), min(index.length, share))
+            draft = index.lookup(self.history(rid), min(index.length.tokens, share))
             if draft:
                 result.drafts[rid] = draft
 

@@ -18,6 +18,8 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # The predicted output's tokens (SamplingParams.prediction), or none.
+    prediction_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

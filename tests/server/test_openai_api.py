@@ -154,3 +154,35 @@ def test_sixteen_concurrent_streams(client, served, smol_llm):
     same = sum(got[i] == want[i] for i in range(16))
     assert same >= 15, [(got[i], want[i]) for i in range(16) if got[i] != want[i]]
     wait_idle(served)
+
+
+def test_predicted_output_gives_the_same_answer_and_counts_its_tokens(client, served):
+    """OpenAI's `prediction`: the paragraph to repeat, as the prediction; the answer is the one
+    without it, streamed or not, and usage says how much of the prediction was kept."""
+    paragraph = (
+        "The ferry was a flat wooden raft pulled across on a rope. In a good month it carried "
+        "carts of wool, barrels of salted fish and a few cattle."
+    )
+    conv = [{"role": "user", "content": f"Repeat this text exactly:\n\n{paragraph}"}]
+    ask = {"model": "smollm2", "messages": conv, "temperature": 0, "max_tokens": 40}
+    plain = client.chat.completions.create(**ask)
+    assert plain.usage.completion_tokens_details is None  # nothing drafted without it
+    text = plain.choices[0].message.content
+    for prediction in (paragraph, [{"type": "text", "text": paragraph}]):
+        got = client.chat.completions.create(
+            **ask, prediction={"type": "content", "content": prediction}
+        )
+        assert got.choices[0].message.content == text
+        details = got.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens >= 10, details
+        assert got.usage.completion_tokens == plain.usage.completion_tokens
+    chunks = client.chat.completions.create(
+        **ask, prediction={"type": "content", "content": paragraph}, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(**ask, prediction={"type": "audio", "content": "x"})
+    assert bad.value.body["param"].startswith("prediction")
+    wait_idle(served)
