@@ -30,7 +30,9 @@ class SamplingParams:
     output must match (dsinfer.structured.StructuredOutputs). prediction (None): text the
     output is expected to repeat mostly (OpenAI's predicted outputs: a file or record with a
     few edits); its tokens are drafted and verified, so the output is exactly what it would
-    be without it, only sooner where the prediction is right.
+    be without it, only sooner where the prediction is right. truncate_prompt_tokens (None):
+    keep only the prompt's last k tokens (vLLM's left truncation; the start of a chat's
+    rendered prompt, its system turn included, is what goes).
     """
 
     n: int = 1
@@ -57,6 +59,7 @@ class SamplingParams:
     # Constrained decoding: the output must match this (JSON schema, regex, choice, grammar).
     structured: StructuredOutputs | None = None
     prediction: str | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +115,11 @@ class SamplingParams:
             f"must be a 64-bit signed integer, got {self.seed}",
         )
         _check(
+            self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+            "truncate_prompt_tokens",
+            f"must be >= 1, got {self.truncate_prompt_tokens}",
+        )
+        _check(
             self.prediction is None or isinstance(self.prediction, str),
             "prediction",
             f"must be text, got {type(self.prediction).__name__}",
@@ -140,6 +148,12 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+
+def truncated_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """The prompt's ids as a request runs them: the last `keep` (truncate_prompt_tokens), or
+    all of them when it is None."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 def split_samples(params: SamplingParams, n: int | None = None) -> list[SamplingParams]:

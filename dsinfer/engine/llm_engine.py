@@ -29,7 +29,7 @@ from dsinfer.engine.utilization import (
     step_model,
 )
 from dsinfer.models.loader import EMBEDDED_MODELS, LoadedModel, resolve_model_path
-from dsinfer.sampling import SamplingParams, check_token_ids
+from dsinfer.sampling import SamplingParams, check_token_ids, truncated_prompt
 from dsinfer.structured import compiler_for
 from dsinfer.tokenizer import Tokenizer, load_tokenizer
 from dsinfer.worker.executor import UniprocExecutor, make_executor
@@ -163,7 +163,7 @@ class LLMEngine:
         """Queue a request; raises ValueError for prompts the model or the pool cannot take."""
         if params.n != 1:
             raise ValueError("LLMEngine takes n=1 requests; fan out n>1 above the engine")
-        ids = self.encode_prompt(prompt)
+        ids = truncated_prompt(self.encode_prompt(prompt), params.truncate_prompt_tokens)
         if not ids:
             raise ValueError("the prompt is empty: send at least one token")
         if len(ids) >= self.max_model_len:

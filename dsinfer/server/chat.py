@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from dsinfer.sampling import split_samples
+from dsinfer.sampling import split_samples, truncated_prompt
 from dsinfer.server.errors import APIError
 from dsinfer.server.metrics import ServerMetrics, labels_of
 from dsinfer.server.protocol import ChatCompletionRequest
@@ -115,6 +115,7 @@ async def chat_completion(
 ) -> Any:
     check_token_fields(served, body)
     ids, prompt_text = _render(served, body)
+    ids = truncated_prompt(ids, body.truncate_prompt_tokens)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from dsinfer.sampling import check_token_ids, split_samples
+from dsinfer.sampling import check_token_ids, split_samples, truncated_prompt
 from dsinfer.server.errors import APIError
 from dsinfer.server.metrics import ServerMetrics, labels_of
 from dsinfer.server.protocol import CompletionRequest
@@ -57,7 +57,7 @@ async def completion(
     structured = served.constraint(body)
     jobs = []
     for p_index, prompt in enumerate(prompts):
-        ids = _encode(served, prompt)
+        ids = truncated_prompt(_encode(served, prompt), body.truncate_prompt_tokens)
         max_tokens = served.check_lengths(len(ids), body.max_tokens, "max_tokens")
         plp = body.logprobs if (body.echo and body.logprobs is not None) else None
         try:

@@ -128,6 +128,7 @@ class _Common(BaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
     prediction: Prediction | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
 
     @classmethod
     def screen(cls, data: dict[str, Any], lenient: bool) -> dict[str, Any]:
@@ -248,6 +249,7 @@ class _Common(BaseModel):
             prompt_logprobs=prompt_logprobs,
             structured=structured,
             prediction=self.prediction.text() if self.prediction is not None else None,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
 

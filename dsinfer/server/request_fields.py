@@ -32,7 +32,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "effort control (the reasoning is parsed apart into reasoning_content)",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty applies to beam search, which is not supported",
-    "truncate_prompt_tokens": "prompt truncation is not supported; shorten the prompt",
 }
 COMPLETIONS_ONLY_REFUSED: dict[str, str] = {
     "tools": _TOOLS,

@@ -25,6 +25,19 @@ def test_vllm_keywords(tiny):
         llm.generate(["w5"], params, sampling_params=params)
 
 
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(tiny):
+    llm = LLM(str(tiny), num_blocks=32, block_size=8)
+    ids = [5, 9, 33, 7, 12, 40, 41]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    tail = llm.generate([{"prompt_token_ids": ids[-3:]}], params)[0]
+    cut = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, truncate_prompt_tokens=3)
+    got = llm.generate([{"prompt_token_ids": ids}], cut)[0]
+    assert got.prompt_token_ids == ids[-3:]
+    assert got.outputs[0].token_ids == tail.outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_chat_template_text_or_file(tiny, tmp_path):
     llm = LLM(str(tiny), num_blocks=32, block_size=8, chat_template=TEMPLATE)
     assert llm.tokenizer.chat_template == TEMPLATE

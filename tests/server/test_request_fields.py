@@ -134,6 +134,25 @@ def test_stop_token_ids_and_include_stop_str(url, tiny_smol):
     wait_idle(tiny_smol)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(url, tiny_smol):
+    """vLLM's truncate_prompt_tokens: the last k prompt tokens run, as if sent alone."""
+    ids = tiny_smol.tokenizer.encode("one two three four five six seven eight nine ten")
+    tail = _greedy(url, prompt=ids[-4:])
+    cut = _greedy(url, prompt=ids, truncate_prompt_tokens=4)
+    assert cut["usage"]["prompt_tokens"] == 4
+    assert cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    whole = _greedy(url, prompt=ids, truncate_prompt_tokens=len(ids) + 5)  # longer: no cut
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    echo = _greedy(url, prompt=ids, truncate_prompt_tokens=4, echo=True)
+    assert echo["choices"][0]["text"].startswith(tiny_smol.tokenizer.decode(ids[-4:]))
+    chat = {"messages": [{"role": "system", "content": "Be brief. " * 20}, *CHAT]}
+    r = _post(url, "/v1/chat/completions", chat | {"max_tokens": 2, "truncate_prompt_tokens": 8})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8, r.text
+    err = _err(_post(url, "/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 0}))
+    assert err["param"] == "truncate_prompt_tokens"
+    wait_idle(tiny_smol)
+
+
 def test_developer_role_renders_as_system(url):
     def tokens(role: str) -> list[int]:
         msgs = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]
