@@ -81,6 +81,16 @@ sampling = {
     "model": st.sampled_from(["tiny", "nope", 3, None]),
     "echo": st.booleans(),
     "max_completion_tokens": ints,
+    "truncate_prompt_tokens": st.one_of(ints, st.none()),
+    "prediction": st.one_of(
+        st.fixed_dictionaries(
+            {
+                "type": st.sampled_from(["content", "audio", 3]),
+                "content": st.one_of(weird_text, st.lists(content_part, max_size=3), json_values),
+            }
+        ),
+        json_values,
+    ),
 }
 completions = st.fixed_dictionaries(
     {
