@@ -56,7 +56,7 @@ class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     # Tokens after `sampled` that verified drafts let this step emit too.
     bonus: dict[str, list[int]] = field(default_factory=dict)
-    # Draft tokens proposed for each request's next step (MTP).
+    # Draft tokens proposed for each request's next step (MTP, prompt lookup, a prediction).
     drafts: dict[str, list[int]] = field(default_factory=dict)
     # Where asked: one entry for `sampled`, then one for each token of `bonus`.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
