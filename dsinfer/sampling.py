@@ -27,8 +27,8 @@ class SamplingParams:
     alternatives per token), prompt_logprobs (same, for the prompt). skip_special_tokens
     (True): special tokens left out of the text. logit_bias ({}): token id → bias added to
     the logits, [-100, 100]. structured (None): a JSON schema, regex, choice or grammar the
-    output must match (dsinfer.structured.StructuredOutputs). prediction (None): text the
-    output is expected to repeat mostly (OpenAI's predicted outputs: a file or record with a
+    output must match (dsinfer.structured.StructuredOutputs). prediction (None): text (or its
+    token ids) the output is expected to repeat mostly (OpenAI's predicted outputs: a file or record with a
     few edits); its tokens are drafted and verified, so the output is exactly what it would
     be without it, only sooner where the prediction is right. truncate_prompt_tokens (None):
     keep only the prompt's last k tokens (vLLM's left truncation; the start of a chat's
@@ -58,7 +58,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Constrained decoding: the output must match this (JSON schema, regex, choice, grammar).
     structured: StructuredOutputs | None = None
-    prediction: str | None = None
+    prediction: str | list[int] | None = None
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -120,9 +120,11 @@ class SamplingParams:
             f"must be >= 1, got {self.truncate_prompt_tokens}",
         )
         _check(
-            self.prediction is None or isinstance(self.prediction, str),
+            self.prediction is None
+            or isinstance(self.prediction, str)
+            or all(isinstance(t, int) for t in self.prediction),
             "prediction",
-            f"must be text, got {type(self.prediction).__name__}",
+            f"must be text or token ids, got {type(self.prediction).__name__}",
         )
         if self.structured is not None:
             # The grammar decides where the output ends (only end-of-turn tokens are allowed

@@ -154,6 +154,18 @@ class LLMEngine:
         check_token_ids(ids, self.model_config.vocab_size)
         return ids
 
+    def prediction_ids(self, prediction: str | list[int], max_tokens: int) -> list[int]:
+        """A prediction's first max_tokens token ids (the rest could never be drafted); the
+        text is encoded only as far as those tokens reach (Tokenizer.encode_prefix)."""
+        if isinstance(prediction, str):
+            return self.tokenizer.encode_prefix(prediction, max_tokens)
+        ids = [int(t) for t in prediction[:max_tokens]]
+        try:
+            check_token_ids(ids, self.model_config.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"prediction: {e}") from None
+        return ids
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -183,9 +195,7 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.tokenizer.eos_token_ids, self.max_model_len)
         if params.prediction:
-            # No more of it than the request may emit: the rest could never be drafted.
-            predicted = self.tokenizer.encode(params.prediction, add_special_tokens=False)
-            req.prediction_token_ids = predicted[: req.max_tokens]
+            req.prediction_token_ids = self.prediction_ids(params.prediction, req.max_tokens)
         self.scheduler.add_request(req)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params)
         self._tracked[rid] = _Tracked(req, prompt if isinstance(prompt, str) else None, detok)

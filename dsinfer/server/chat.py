@@ -127,6 +127,7 @@ async def chat_completion(
         params = body.sampling(max_tokens, top if body.logprobs else None, structured=structured)
     except ValueError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+    params = served.with_prediction_ids(params)
     all_params = split_samples(params, body.n)
     rid = new_id("chatcmpl")
     metrics.prompt_tokens.labels(*labels_of(served)).inc(len(ids))

@@ -66,6 +66,7 @@ async def completion(
             )
         except ValueError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        params = served.with_prediction_ids(params)
         jobs.append((p_index, ids, split_samples(params, body.n)))
         metrics.prompt_tokens.labels(*labels_of(served)).inc(len(ids))
     rid = new_id("cmpl")

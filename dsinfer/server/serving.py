@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsinfer.engine.outputs import RequestOutput
-from dsinfer.sampling import TokenLogprobs, check_token_ids
+from dsinfer.sampling import SamplingParams, TokenLogprobs, check_token_ids
 from dsinfer.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -65,6 +66,15 @@ class ServedModel:
             self.grammars.compile(spec)
         except ValueError as e:
             raise APIError(400, f"{param}: {e}", param=param, code="unsupported_schema") from None
+
+    def with_prediction_ids(self, params: SamplingParams) -> SamplingParams:
+        """params with its prediction text as token ids: encoded here, once a request (its n
+        samples share them), as far as max_tokens tokens reach (Tokenizer.encode_prefix), so
+        the engine's thread never encodes a long prediction."""
+        if not isinstance(params.prediction, str) or params.max_tokens is None:
+            return params
+        ids = self.tokenizer.encode_prefix(params.prediction, params.max_tokens)
+        return dataclasses.replace(params, prediction=ids)
 
     def check_lengths(
         self, n_prompt: int, max_tokens: int | None, param: str, prompt_param: str = "prompt"

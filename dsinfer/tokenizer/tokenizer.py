@@ -6,6 +6,7 @@ and forcing its slow Llama classes breaks Chinese for DeepSeek's byte-level voca
 
 from __future__ import annotations
 
+import functools
 import json
 import zipfile
 from dataclasses import dataclass, field
@@ -48,6 +49,20 @@ class Tokenizer:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
         return ids
+
+    def encode_prefix(self, text: str, max_tokens: int) -> list[int]:
+        """The first max_tokens tokens of text (no special tokens added), encoding no more of
+        the text than they can span: megabytes of text cost what their start costs. (A word
+        cut at that span may end in other tokens than whole; the span leaves one token's
+        length past the max_tokens-th, so only in a vocabulary's pathological cases.)"""
+        span = (max_tokens + 1) * self.longest_token_chars
+        return self.encode(text[:span], add_special_tokens=False)[:max_tokens]
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary string's length: a byte
+        a character for byte-level vocabularies, which decode to no more characters)."""
+        return max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

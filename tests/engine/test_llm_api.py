@@ -38,6 +38,24 @@ def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(tiny):
         SamplingParams(truncate_prompt_tokens=0)
 
 
+def test_a_prediction_as_token_ids(tiny):
+    """SamplingParams.prediction takes token ids as well as text (the server encodes the text
+    once a request): the output's own ids as the prediction are drafted and all kept; ids
+    outside the vocabulary are refused naming the field."""
+    llm = LLM(str(tiny), num_blocks=32, block_size=8)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = llm.generate(["w5 w6"], params)[0].outputs[0]
+    predicted = SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, prediction=list(plain.token_ids)
+    )
+    got = llm.generate(["w5 w6"], predicted)[0]
+    assert got.outputs[0].token_ids == plain.token_ids
+    assert got.metrics.num_accepted_draft_tokens == got.metrics.num_draft_tokens > 5
+    bad = SamplingParams(max_tokens=4, prediction=[1, 10**6])
+    with pytest.raises(ValueError, match="prediction: token ids"):
+        llm.generate(["w5"], bad)
+
+
 def test_chat_template_text_or_file(tiny, tmp_path):
     llm = LLM(str(tiny), num_blocks=32, block_size=8, chat_template=TEMPLATE)
     assert llm.tokenizer.chat_template == TEMPLATE

@@ -100,3 +100,27 @@ def test_chat_templates_render_like_transformers(name, tmp_path):
     if name == "deepseek-r1":
         assert "simple sum" not in got  # earlier reasoning is dropped
         assert got.endswith("<｜Assistant｜><think>\n")
+
+
+def test_encode_prefix_is_the_start_of_the_whole_encoding(pair):
+    """encode_prefix(text, n) = encode(text)[:n] on the mixed corpus (each repeated into a long
+    text), while the backend is handed no more than n + 1 tokens' longest span of it."""
+    _, ours, _ = pair
+    assert ours.longest_token_chars >= len("<｜end▁of▁sentence｜>")
+    seen: list[int] = []
+    encode = ours.backend.encode
+
+    def spy(text, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(len(text))
+        return encode(text, *args, **kwargs)
+
+    for text in CORPUS:
+        long = text * 200
+        want = ours.encode(long, add_special_tokens=False)
+        ours.backend.encode = spy  # (the instance attribute shadows the method)
+        try:
+            for n in (1, 7, 40):
+                assert ours.encode_prefix(long, n) == want[:n], (text, n)
+                assert seen[-1] <= (n + 1) * ours.longest_token_chars < len(long)
+        finally:
+            del ours.backend.encode
