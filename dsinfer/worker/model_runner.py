@@ -269,17 +269,21 @@ class ModelRunner:
         # vocabulary makes each logits call a collective, the MTP layer is split like the
         # model); only the driver samples and keeps results.
         if sample_idx:
-            logits = self._logits(hidden[rows])  # [B, V] fp32 on the driver
-            if logits is not None:
+            spec, check = draft_rows(inp, {inp.seqs[i].req_id for i in sample_idx})
+            if check:  # the rows that verify drafts: one LM head pass with the sampling rows
+                rows = torch.cat([rows, torch.tensor(check, device=rows.device)])
+            all_logits = self._logits(hidden[rows])  # [B + C, V] fp32 on the driver
+            if all_logits is not None:
+                logits = all_logits[: len(sample_idx)]  # [B, V]
                 if masks is not None:
                     apply_bitmask(logits, masks.result())  # before logprobs and sampling
                 self._sample(inp, sample_idx, states, logits, result)
-            spec, check = draft_rows(inp, {inp.seqs[i].req_id for i in sample_idx})
-            check_logits = self._logits(hidden[torch.tensor(check)]) if check else None
-            if check_logits is not None:
-                verify_drafts(check_logits, spec, result, self.states, self.sampler)
-                for rid, extra in result.bonus.items():
-                    self.states[rid].output_token_ids.extend(extra)
+                if check:
+                    verify_drafts(
+                        all_logits[len(sample_idx) :], spec, result, self.states, self.sampler
+                    )
+                    for rid, extra in result.bonus.items():
+                        self.states[rid].output_token_ids.extend(extra)
         # Any request may be drafted for: verification is exact whatever it asks of the sampler
         # (spec_decode.py), and a stop string inside a verified run ends the output where a
         # token-a-step decode ends it (LLMEngine._process).
