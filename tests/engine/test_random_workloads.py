@@ -3,8 +3,9 @@
 The scenario tests (test_batching.py) pick one pressure at a time. Here a seed draws all of
 them at once — block size, token budget (chunk sizes down to 7 tokens), sequence cap, a pool
 too small for the load (preemption), prefix caching with prompts that share prefixes,
-prompt-lookup drafts (prompts that say a part twice), arrivals over several steps and
-aborts — and every request that finishes must give the greedy tokens
+prompt-lookup drafts (prompts that say a part twice), predicted outputs (the reference's
+own answer with one token changed: drafts kept up to the edit, then found again), arrivals
+over several steps and aborts — and every request that finishes must give the greedy tokens
 of the reference backend running its prompt alone (fp32: up to a near-tie of 1e-3). Then the
 pool must be clean. Two models: a tiny Llama (the fused MHA kernels and the captured decode
 program) and a tiny DeepSeek-V3 (MLA's latent cache and kernels, routed experts).
@@ -92,19 +93,26 @@ def _engine_options(rng: random.Random, prompts: list[list[int]], new: list[int]
 
 
 def _run(
-    llm: LLM, rng: random.Random, prompts: list[list[int]], new: list[int]
-) -> dict[int, list[int]]:
+    llm: LLM,
+    rng: random.Random,
+    prompts: list[list[int]],
+    new: list[int],
+    predictions: dict[int, list[int]],
+) -> tuple[dict[int, list[int]], int]:
     """Up to three arrivals a step, an abort now and then; the tokens of each request (an
-    aborted one: an empty list)."""
+    aborted one: an empty list), and the drafts kept of the requests with a prediction."""
     eng = llm.engine
     pending = list(enumerate(prompts))
     index: dict[str, int] = {}
     done: dict[int, list[int]] = {}
+    kept = 0
     while pending or eng.has_unfinished_requests():
         for _ in range(rng.randint(0, 3)):
             if pending:
                 i, p = pending.pop(0)
-                params = SamplingParams(temperature=0, max_tokens=new[i], ignore_eos=True)
+                params = SamplingParams(
+                    temperature=0, max_tokens=new[i], ignore_eos=True, prediction=predictions.get(i)
+                )
                 index[eng.add_request(p, params)] = i
         running = [rid for rid, i in index.items() if i not in done]
         if running and rng.random() < 0.04:
@@ -114,7 +122,9 @@ def _run(
         for out in eng.step():
             if out.finished and out.request_id in index and index[out.request_id] not in done:
                 done[index[out.request_id]] = out.outputs[0].token_ids
-    return done
+                if index[out.request_id] in predictions:
+                    kept += out.metrics.num_accepted_draft_tokens
+    return done, kept
 
 
 def _agrees(reference: LLM, prompt: list[int], got: list[int], want: list[int]) -> bool:
@@ -127,27 +137,34 @@ def _agrees(reference: LLM, prompt: list[int], got: list[int], want: list[int]) 
     return float(top2[0] - top2[1]) <= 1e-3
 
 
+def _alone(reference: LLM, prompt: list[int], max_tokens: int) -> list[int]:
+    """The reference's greedy tokens for one prompt, run alone."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return list(reference.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids)
+
+
 def _check_seed(seed: int, model: tuple[str, LLM]) -> dict[str, int]:
     """Runs one seed's workload and checks it; what pressure it applied."""
     checkpoint, reference = model
     rng = random.Random(seed)
     prompts, new = _workload(rng)
     options = _engine_options(rng, prompts, new)
+    wants: dict[int, list[int]] = {}
+    predictions: dict[int, list[int]] = {}
+    for i in range(len(prompts)):
+        if new[i] >= 4 and rng.random() < 0.3:  # the answer, one token in its middle edited
+            wants[i] = _alone(reference, prompts[i], new[i])
+            edited = list(wants[i])
+            edited[len(edited) // 2] = (edited[len(edited) // 2] + 1) % VOCAB
+            predictions[i] = edited
     llm = LLM(checkpoint, backend="fused", dtype="float32", **options)
     assert llm.engine.executor.runner.backend == "fused"
-    got = _run(llm, rng, prompts, new)
+    got, kept_of_predictions = _run(llm, rng, prompts, new, predictions)
     assert_pool_clean(llm.engine)
     assert sorted(got) == list(range(len(prompts))), "a request neither finished nor was aborted"
     finished = {i: tokens for i, tokens in got.items() if tokens}
     for i, tokens in finished.items():
-        want = (
-            reference.generate(
-                {"prompt_token_ids": prompts[i]},
-                SamplingParams(temperature=0, max_tokens=new[i], ignore_eos=True),
-            )[0]
-            .outputs[0]
-            .token_ids
-        )
+        want = wants[i] if i in wants else _alone(reference, prompts[i], new[i])
         assert _agrees(reference, prompts[i], tokens, want), (seed, options, i, tokens, want)
     eng = llm.engine
     return {
@@ -156,6 +173,7 @@ def _check_seed(seed: int, model: tuple[str, LLM]) -> dict[str, int]:
         "aborts": len(prompts) - len(finished),
         "chunked prompts": sum(len(p) > options["max_num_batched_tokens"] for p in prompts),
         "drafts kept": eng.scheduler.num_accepted_draft_tokens,
+        "predicted drafts kept": kept_of_predictions,
     }
 
 
@@ -164,11 +182,19 @@ SEEDS = {"llama": 32, "deepseek": 12}  # in `make test`; the soak takes the next
 
 def test_random_workloads_give_each_prompts_own_tokens(model, request):
     """Together the seeds must have preempted, hit the prefix cache, aborted, chunked and
-    kept prompt-lookup drafts, or the test would pass without testing what it says."""
+    kept prompt-lookup and predicted drafts, or the test would pass without testing what it
+    says."""
     seen = Counter()
     for seed in range(SEEDS[request.node.callspec.params["model"]]):
         seen.update(_check_seed(seed, model))
-    pressures = ("preemptions", "prefix hits", "aborts", "chunked prompts", "drafts kept")
+    pressures = (
+        "preemptions",
+        "prefix hits",
+        "aborts",
+        "chunked prompts",
+        "drafts kept",
+        "predicted drafts kept",
+    )
     assert all(seen[k] > 0 for k in pressures), seen
 
 
