@@ -31,18 +31,39 @@ from dsinfer.worker.step_io import ModelRunnerOutput
 MAX_STEP_ROWS = 16
 
 
+# Steps in a row whose drafts were all rejected before a request stops drafting for a while
+# (1, 2, 4, … up to 16 steps, doubling while it goes on missing).
+MISSES_BEFORE_PAUSE = 2
+MAX_PAUSE_STEPS = 16
+
+
 class DraftLength:
     """How many tokens a request drafts next, from what verification kept: a step that
     rejected the draft at position j proposes j + 1 next, one that kept them all doubles it
-    (up to k)."""
+    (up to k). And whether to draft at all: a draft row costs ~0.3 of a plain step on the CPU
+    (docs/engine.md), so a request whose drafts keep missing (a flat sampled distribution, a
+    wrong prediction) pauses after MISSES_BEFORE_PAUSE such steps, for a number of steps that
+    doubles while it goes on missing, and starts again from one token."""
 
     def __init__(self, k: int) -> None:
         self.k = k
         self.tokens = k
+        self._misses = 0  # steps in a row whose drafts were all rejected
+        self._paused = 0  # steps left without drafts
 
     def verified(self, drafted: int, accepted: int) -> None:
         """The last step checked `drafted` drafts and kept `accepted` of them."""
         self.tokens = min(self.k, 2 * self.tokens) if accepted == drafted else accepted + 1
+        self._misses = self._misses + 1 if accepted == 0 else 0
+        if self._misses >= MISSES_BEFORE_PAUSE:
+            self._paused = min(MAX_PAUSE_STEPS, 2 ** (self._misses - MISSES_BEFORE_PAUSE))
+
+    def next(self) -> int:
+        """Tokens to draft this step: 0 while paused (each call is one step of the pause)."""
+        if self._paused:
+            self._paused -= 1
+            return 0
+        return self.tokens
 
 
 class _NgramIndex:
@@ -115,7 +136,7 @@ class NgramDrafter:
                 index.length.verified(s.num_draft, len(result.bonus.get(rid, [])))
             if share < 1:
                 continue  # (its index catches up at the next lookup)
-            draft = index.lookup(self.history(rid), min(index.length.tokens, share))
+            draft = index.lookup(self.history(rid), min(index.length.next(), share))
             if draft:
                 result.drafts[rid] = draft
 

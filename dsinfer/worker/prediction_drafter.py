@@ -118,7 +118,7 @@ class PredictionDrafter:
             if s.num_draft:
                 length.verified(s.num_draft, len(result.bonus.get(rid, [])))
             cursor.follow(self.output(rid))
-            if share >= 1 and (draft := cursor.draft(min(length.tokens, share))):
+            if share >= 1 and (draft := cursor.draft(min(length.next(), share))):
                 result.drafts[rid] = draft
 
     def forget(self, req_id: str) -> None:

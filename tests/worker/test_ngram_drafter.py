@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from dsinfer import LLM, SamplingParams
-from dsinfer.worker.ngram_drafter import MAX_STEP_ROWS, NgramDrafter
+from dsinfer.worker.ngram_drafter import MAX_PAUSE_STEPS, MAX_STEP_ROWS, DraftLength, NgramDrafter
 from dsinfer.worker.step_io import ModelRunnerOutput, ScheduledSeq
 from tests.helpers import assert_pool_clean, skip_without
 
@@ -44,6 +44,26 @@ def test_draft_length_follows_what_verification_kept():
     checked = ScheduledSeq("a", [4, 5, 6], 14, [], True, num_draft=2)
     history["a"] += [5, 6, 7]
     assert _propose(drafter, [checked], {"a": [6, 7]}) == {"a": [8, 9, 10, 1]}
+
+
+def test_drafts_that_keep_missing_pause_for_longer_each_time():
+    """Two steps in a row with every draft rejected: no drafts for 1 step, then (missing
+    again) 2, then 4, … up to 16; one kept draft ends it."""
+    length = DraftLength(4)
+    drafted = []
+    misses = iter([True] * 6 + [False] + [True] * 2)
+    for _ in range(60):
+        n = length.next()
+        drafted.append(n)
+        if n:
+            missed = next(misses, False)
+            length.verified(n, 0 if missed else min(1, n))
+    assert drafted[:2] == [4, 1]  # missed twice: a pause of one step
+    gaps = [len(run) for run in "".join("x" if n else "." for n in drafted).split("x") if run]
+    assert gaps[:4] == [1, 2, 4, 8], drafted  # each further miss doubles the pause
+    # After the kept draft the misses start over: two misses, a pause of one step.
+    assert 1 in gaps[5:], drafted
+    assert max(gaps) <= MAX_PAUSE_STEPS
 
 
 def test_no_drafts_once_the_batch_fills_the_step():
