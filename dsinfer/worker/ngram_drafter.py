@@ -70,15 +70,14 @@ class _NgramIndex:
     """n-grams of one token history, each mapped to the position after its latest occurrence
     among those that have a following token."""
 
-    def __init__(self, min_ngram: int, max_ngram: int, k: int) -> None:
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
         self.sizes = range(min_ngram, max_ngram + 1)
         self.after: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in `after`
-        self.length = DraftLength(k)  # what it drafts next
 
     def lookup(self, history: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of history's longest
-        matching suffix; [] when none occurred."""
+        matching suffix; [] when none occurred (or k is 0: the index still catches up)."""
         if len(history) < self.indexed:  # a failed step's tokens were rolled back
             self.after.clear()
             self.indexed = 0
@@ -94,25 +93,23 @@ class _NgramIndex:
         return []
 
 
-class NgramDrafter:
-    """Up to k draft tokens a step for each request whose recent tokens recur.
+class ModelFreeDrafter:
+    """The drafter seam for drafters that run no model (prompt lookup, a prediction):
+    `propose(inp, hidden, result, wants_draft, driver)` gives each request that sampled this
+    step (and is wanted) a draft of `_draft(req_id, k)`, k from its DraftLength (which learns
+    from what the step's verification kept) and its share of MAX_STEP_ROWS; `forget(req_id)`
+    when a request ends. Subclasses say which requests they draft for and how."""
 
-    `history(req_id)` gives a request's tokens so far (prompt and output, this step's
-    included); `forget(req_id)` drops a finished request's index."""
-
-    def __init__(
-        self,
-        k: int,
-        history: Callable[[str], list[int]],
-        min_ngram: int = 2,
-        max_ngram: int = 3,
-    ) -> None:
-        if k < 1:
-            raise ValueError(f"n-gram speculation needs k >= 1 draft tokens, got {k}")
+    def __init__(self, k: int) -> None:
         self.k = k
-        self.history = history
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self._index: dict[str, _NgramIndex] = {}
+        self._lengths: dict[str, DraftLength] = {}
+
+    def _drafts_for(self, req_id: str) -> bool:
+        return True
+
+    def _draft(self, req_id: str, k: int) -> list[int]:
+        """Up to k draft tokens (k may be 0: keep up with the request's tokens, draft none)."""
+        raise NotImplementedError
 
     def propose(
         self,
@@ -127,18 +124,45 @@ class NgramDrafter:
         share = (MAX_STEP_ROWS - len(inp.seqs)) // len(inp.seqs)  # draft rows a request
         for s in inp.seqs:
             rid = s.req_id
-            if rid not in result.sampled or rid not in wants_draft:
+            if rid not in result.sampled or rid not in wants_draft or not self._drafts_for(rid):
                 continue
-            index = self._index.get(rid)
-            if index is None:
-                index = self._index[rid] = _NgramIndex(self.min_ngram, self.max_ngram, self.k)
+            length = self._lengths.setdefault(rid, DraftLength(self.k))
             if s.num_draft:
-                index.length.verified(s.num_draft, len(result.bonus.get(rid, [])))
-            if share < 1:
-                continue  # (its index catches up at the next lookup)
-            draft = index.lookup(self.history(rid), min(index.length.next(), share))
-            if draft:
+                length.verified(s.num_draft, len(result.bonus.get(rid, [])))
+            # (A step with no room for drafts is no step of a pause.)
+            if draft := self._draft(rid, min(length.next(), share) if share >= 1 else 0):
                 result.drafts[rid] = draft
 
     def forget(self, req_id: str) -> None:
+        self._lengths.pop(req_id, None)
+
+
+class NgramDrafter(ModelFreeDrafter):
+    """Up to k draft tokens a step for each request whose recent tokens recur.
+
+    `history(req_id)` gives a request's tokens so far (prompt and output, this step's
+    included)."""
+
+    def __init__(
+        self,
+        k: int,
+        history: Callable[[str], list[int]],
+        min_ngram: int = 2,
+        max_ngram: int = 3,
+    ) -> None:
+        if k < 1:
+            raise ValueError(f"n-gram speculation needs k >= 1 draft tokens, got {k}")
+        super().__init__(k)
+        self.history = history
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self._index: dict[str, _NgramIndex] = {}
+
+    def _draft(self, req_id: str, k: int) -> list[int]:
+        index = self._index.get(req_id)
+        if index is None:
+            index = self._index[req_id] = _NgramIndex(self.min_ngram, self.max_ngram)
+        return index.lookup(self.history(req_id), k)
+
+    def forget(self, req_id: str) -> None:
+        super().forget(req_id)
         self._index.pop(req_id, None)

@@ -17,11 +17,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 
-import torch
-
-from dsinfer.worker.input_batch import ModelInput
-from dsinfer.worker.ngram_drafter import MAX_STEP_ROWS, DraftLength
-from dsinfer.worker.step_io import ModelRunnerOutput
+from dsinfer.worker.ngram_drafter import ModelFreeDrafter
 
 # The most draft tokens a step for a request with a prediction: a prediction is mostly right,
 # and a verified run of 8 costs ~3 plain steps (docs/engine.md); the length adapts as for
@@ -78,7 +74,7 @@ class PredictionCursor:
         return [] if self.pos is None else self.prediction[self.pos : self.pos + k]
 
 
-class PredictionDrafter:
+class PredictionDrafter(ModelFreeDrafter):
     """Drafts for the requests that carry a prediction; the runner hands it those requests
     (`start`), and the engine's own drafter (MTP, prompt lookup) the others.
 
@@ -87,39 +83,26 @@ class PredictionDrafter:
     def __init__(
         self, output: Callable[[str], list[int]], k: int = PREDICTION_DRAFT_TOKENS
     ) -> None:
+        super().__init__(k)
         self.output = output
-        self.k = k
-        self._cursors: dict[str, tuple[PredictionCursor, DraftLength]] = {}
+        self._cursors: dict[str, PredictionCursor] = {}
 
     def start(self, req_id: str, prediction: list[int]) -> None:
-        self._cursors[req_id] = (PredictionCursor(prediction), DraftLength(self.k))
+        self._cursors[req_id] = PredictionCursor(prediction)
 
     @property
     def req_ids(self) -> set[str]:
         """The requests it drafts for."""
         return set(self._cursors)
 
-    def propose(
-        self,
-        inp: ModelInput,
-        hidden: torch.Tensor,  # noqa: ARG002  (the drafter seam's signature: MTP reads it)
-        result: ModelRunnerOutput,
-        wants_draft: set[str],
-        driver: bool = True,
-    ) -> None:
-        if not driver:  # drafts go to the scheduler, which lives with the driver
-            return
-        share = (MAX_STEP_ROWS - len(inp.seqs)) // len(inp.seqs)  # draft rows a request
-        for s in inp.seqs:
-            rid = s.req_id
-            if rid not in result.sampled or rid not in wants_draft or rid not in self._cursors:
-                continue
-            cursor, length = self._cursors[rid]
-            if s.num_draft:
-                length.verified(s.num_draft, len(result.bonus.get(rid, [])))
-            cursor.follow(self.output(rid))
-            if share >= 1 and (draft := cursor.draft(min(length.next(), share))):
-                result.drafts[rid] = draft
+    def _drafts_for(self, req_id: str) -> bool:
+        return req_id in self._cursors
+
+    def _draft(self, req_id: str, k: int) -> list[int]:
+        cursor = self._cursors[req_id]
+        cursor.follow(self.output(req_id))
+        return cursor.draft(k)
 
     def forget(self, req_id: str) -> None:
+        super().forget(req_id)
         self._cursors.pop(req_id, None)
