@@ -42,6 +42,19 @@ def test_detects_r1_style_tokenizers():
     assert not supports_reasoning(load_tokenizer(_data_dir() / "deepseek-v3"))
 
 
+def test_v3_1_hybrid_thinking_follows_the_template_kwarg():
+    """DeepSeek-V3.1's template closes the reasoning in the generation prompt unless
+    chat_template_kwargs say thinking: true, which opens it: the split follows the prompt."""
+    v31 = load_tokenizer(_data_dir() / "deepseek-v3.1")
+    assert supports_reasoning(v31)
+    conv = [{"role": "user", "content": "Hi"}]
+    plain = v31.apply_chat_template(conv, add_generation_prompt=True)
+    thinking = v31.apply_chat_template(conv, add_generation_prompt=True, thinking=True)
+    assert plain.endswith("<｜Assistant｜></think>") and thinking.endswith("<｜Assistant｜><think>")
+    assert split_reasoning("Hello!", plain[-32:]) == (None, "Hello!")
+    assert split_reasoning("sum it</think>\n\nHello!", thinking[-32:]) == ("sum it", "Hello!")
+
+
 @pytest.fixture(scope="module")
 def r1_url(tmp_path_factory):
     """A tiny random Qwen2 that speaks the real R1-Distill-Qwen tokenizer and template."""
