@@ -257,3 +257,32 @@ def test_constrained_greedy_with_mtp_equals_without(mtp_path, regex, binds_every
     # (This random MTP layer never agrees with its model, unconstrained either: acceptance
     # through the grammar is tested in tests/structured/test_grammar.py.)
     assert_pool_clean(on.engine)
+
+
+def test_constrained_sampled_drafts_verify_like_plain_sampling(mtp_path):
+    """A sampled request under a grammar, drafts right 3 times in 4 (the oracle): its check
+    rows are drawn a row at a time through the grammar, and the output is plain sampling's
+    with the same seed, in the grammar's language."""
+    import re
+
+    from dsinfer.structured import StructuredOutputs
+
+    regex = "(w[0-9]+)*w[0-9]*[13579]"
+    params = SamplingParams(
+        temperature=0.9, seed=11, max_tokens=24, structured=StructuredOutputs(regex=regex)
+    )
+    off = _llm(mtp_path, mtp=False)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = off.generate(prompts, params)
+    full = {i: PROMPTS[i] + list(o.outputs[0].token_ids) for i, o in enumerate(ref)}
+    llm = _llm(mtp_path, mtp=False)
+    llm.engine.executor.runner.drafter = OracleDrafter(full, "1101")
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert sum(o.metrics.num_accepted_draft_tokens for o in got) > 10
+    eos = llm.tokenizer.eos_token_ids
+    for o in got:
+        if o.outputs[0].finish_reason == "stop":
+            words = [f"w{t}" for t in o.outputs[0].token_ids if t not in eos]
+            assert re.fullmatch(regex, "".join(words)), words
+    assert_pool_clean(llm.engine)
