@@ -180,6 +180,20 @@ def test_predicted_output_gives_the_same_answer_and_counts_its_tokens(client, se
         **ask, prediction={"type": "content", "content": paragraph}, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    # Logprobs: one entry a token, streamed in the chunks of the steps that kept drafts too.
+    predicted = {"type": "content", "content": paragraph}
+    full = client.chat.completions.create(**ask, prediction=predicted, logprobs=True)
+    entries = full.choices[0].logprobs.content
+    assert len(entries) == full.usage.completion_tokens  # (the last: the end-of-turn token)
+    assert "".join(e.token for e in entries).startswith(text)
+    chunks = client.chat.completions.create(**ask, prediction=predicted, logprobs=True, stream=True)
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
     import openai
 
     with pytest.raises(openai.BadRequestError) as bad:
