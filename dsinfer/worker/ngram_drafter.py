@@ -98,14 +98,11 @@ class ModelFreeDrafter:
     `propose(inp, hidden, result, wants_draft, driver)` gives each request that sampled this
     step (and is wanted) a draft of `_draft(req_id, k)`, k from its DraftLength (which learns
     from what the step's verification kept) and its share of MAX_STEP_ROWS; `forget(req_id)`
-    when a request ends. Subclasses say which requests they draft for and how."""
+    when a request ends. Subclasses say what they draft."""
 
     def __init__(self, k: int) -> None:
         self.k = k
         self._lengths: dict[str, DraftLength] = {}
-
-    def _drafts_for(self, req_id: str) -> bool:
-        return True
 
     def _draft(self, req_id: str, k: int) -> list[int]:
         """Up to k draft tokens (k may be 0: keep up with the request's tokens, draft none)."""
@@ -124,7 +121,7 @@ class ModelFreeDrafter:
         share = (MAX_STEP_ROWS - len(inp.seqs)) // len(inp.seqs)  # draft rows a request
         for s in inp.seqs:
             rid = s.req_id
-            if rid not in result.sampled or rid not in wants_draft or not self._drafts_for(rid):
+            if rid not in result.sampled or rid not in wants_draft:
                 continue
             length = self._lengths.setdefault(rid, DraftLength(self.k))
             if s.num_draft:

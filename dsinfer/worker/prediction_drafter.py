@@ -95,11 +95,10 @@ class PredictionDrafter(ModelFreeDrafter):
         """The requests it drafts for."""
         return set(self._cursors)
 
-    def _drafts_for(self, req_id: str) -> bool:
-        return req_id in self._cursors
-
     def _draft(self, req_id: str, k: int) -> list[int]:
-        cursor = self._cursors[req_id]
+        cursor = self._cursors.get(req_id)
+        if cursor is None:
+            return []  # a request without a prediction: the engine's own drafter's
         cursor.follow(self.output(req_id))
         return cursor.draft(k)
 

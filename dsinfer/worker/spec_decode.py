@@ -63,11 +63,18 @@ def verify_drafts(
     through the tokens before it); the others in one sampler call."""
     if not spec:
         return
-    free = [(i, s) for i, s in spec if states[s.req_id].grammar is None]
     k, first_row = 0, {}
     for _i, s in spec:
         first_row[s.req_id] = k
         k += s.num_draft
+    # A request whose sampled token already differs from its first draft keeps none of its
+    # rows: nothing of it to draw (nor a generator to rewind).
+    free = [
+        (i, s)
+        for i, s in spec
+        if states[s.req_id].grammar is None
+        and result.sampled[s.req_id] == s.token_ids[-s.num_draft]
+    ]
     if free:
         _verify_batched(logits, free, first_row, result, states, sampler)
     for _i, s in spec:
