@@ -44,9 +44,11 @@ def load_artifact(root: str | Path, policy: TrustPolicy, device: str = "cpu") ->
         )
     except ValueError as e:
         raise ArtifactError(f"{root}: {e}; or compile another artifact for {device}") from None
-    tensors = _read_tensors(root, manifest, device)
-    if quant["scheme"] == "int4":
+    tensors = _read_tensors(root, manifest)
+    if quant["scheme"] == "int4":  # on the CPU: the conversion runs torch's CPU packing
         _int4_in_this_layout(root, tensors, quant.get("int4_layout", BLOCKS64))
+    if torch.device(device).type != "cpu":
+        tensors = _to_device(tensors, device)
     if parallel_state().world > 1:
         missing, unexpected = assign_rank_parts(net, tensors)
     else:
@@ -117,13 +119,21 @@ def _int4_in_this_layout(root: Path, tensors: dict[str, torch.Tensor], layout: s
                 raise ArtifactError(f"{root}: {name}: {e}") from None
 
 
-def _read_tensors(root: Path, manifest: Manifest, device: str) -> dict[str, torch.Tensor]:
+def _to_device(tensors: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    """The tensors on `device`; a tied tensor (one stored tensor under two names) crosses once
+    and stays shared there."""
+    moved: dict[int, torch.Tensor] = {}
+    for t in tensors.values():
+        if id(t) not in moved:
+            moved[id(t)] = t.to(device)
+    return {name: moved[id(t)] for name, t in tensors.items()}
+
+
+def _read_tensors(root: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for fname in manifest.weight_files:
         tensors.update(mmap_weights(root / fname))
     # A tied weight is stored once; every name that shares it gets the same tensor back.
     for alias, source in manifest.quantization.get("tied", {}).items():
         tensors[alias] = tensors[source]
-    if device != "cpu":
-        tensors = {k: v.to(device) for k, v in tensors.items()}
     return tensors

@@ -59,6 +59,18 @@ def grouped_mm_in_graphs(device: torch.device, dtype: torch.dtype) -> bool:
     return grouped_mm is not None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def tinygemm_unavailable(device: torch.device) -> str | None:
+    """Why torch's int4 tensor-core GEMM (`_weight_int4pack_mm`, "tinygemm": int4 weights in
+    groups with a scale and zero each, bf16 activations) cannot run on `device`, or None: it is
+    CUDA's kernel, built for compute capability 8.0 (Ampere) and later."""
+    if device.type != "cuda":
+        return f"torch has no int4 tensor-core kernel for {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 0):
+        return f"compute capability {capability[0]}.{capability[1]} (the kernel needs 8.0)"
+    return None
+
+
 def total_memory(device: torch.device) -> int:
     """Bytes of memory the device has in all: the host's RAM for the CPU, the card's for an
     accelerator. A figure that is the same on every rank of one kind of machine (unlike what is

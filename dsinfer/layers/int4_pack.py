@@ -28,28 +28,41 @@ _BLOCK_ROWS = {BLOCKS64: 64, BLOCKS32: 32}
 
 
 def pack_blocks(codes: torch.Tensor, rows: int = 64) -> torch.Tensor:
-    """Codes [..., O, K] (0..15) → torch's bytes in blocks of `rows` output rows [..., O, K / 2]
-    (O a multiple of rows): per block and input k, rows / 2 bytes, byte j holding output j in
-    the low nibble and rows / 2 + j in the high one."""
+    """Codes [..., O, K] (0..15, O a multiple of 16) → torch's bytes in blocks of `rows` output
+    rows [..., O, K / 2]: per block and input k, rows / 2 bytes, byte j holding output j in the
+    low nibble and rows / 2 + j in the high one. The last O mod `rows` outputs (a tail) are
+    laid out per input k too, byte j holding tail outputs 2j and 2j + 1 (measured against
+    torch's packing, both layouts, every O to 1,024)."""
     *lead, o, k = codes.shape
-    blocks = codes.to(torch.uint8).reshape(*lead, o // rows, rows, k).transpose(-1, -2)
+    full = o - o % rows
+    c = codes.to(torch.uint8)
+    blocks = c[..., :full, :].reshape(*lead, full // rows, rows, k).transpose(-1, -2)
     half = rows // 2  # blocks: [..., O/rows, K, rows]
-    return (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(*lead, o, k // 2)
+    packed = (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(*lead, full, k // 2)
+    if full == o:
+        return packed
+    tail = c[..., full:, :].transpose(-1, -2)  # [..., K, tail rows]
+    pairs = tail[..., 0::2] | (tail[..., 1::2] << 4)  # [..., K, tail / 2]
+    return torch.cat([packed, pairs.reshape(*lead, o - full, k // 2)], dim=-2)
 
 
 def unpack_blocks(packed: torch.Tensor, rows: int = 64) -> torch.Tensor:
     """The inverse of `pack_blocks`: [..., O, K / 2] → codes [..., O, K] (uint8)."""
     *lead, o, half = packed.shape
-    if o % rows:
+    if o % 16:
         raise ValueError(
-            f"an int4 weight of {o} output rows (not a multiple of {rows}) cannot be cut for "
-            f"tensor parallelism or unpacked from torch's {rows}-row blocks: serve it in one "
-            "process on a machine like the one it was compiled on, or compile an int8 artifact"
+            f"an int4 weight of {o} output rows (not a multiple of 16) is not torch's int4pack"
         )
     k = 2 * half
-    blocks = packed.reshape(*lead, o // rows, k, rows // 2)  # [..., O/rows, K, rows/2]
+    full = o - o % rows
+    blocks = packed[..., :full, :].reshape(*lead, full // rows, k, rows // 2)
     codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [..., O/rows, K, rows]
-    return codes.transpose(-1, -2).reshape(*lead, o, k)
+    codes = codes.transpose(-1, -2).reshape(*lead, full, k)
+    if full == o:
+        return codes
+    pairs = packed[..., full:, :].reshape(*lead, k, (o - full) // 2)  # [..., K, tail / 2]
+    tail = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(*lead, k, o - full)
+    return torch.cat([codes, tail.transpose(-1, -2)], dim=-2)
 
 
 def pack_blocks64(codes: torch.Tensor) -> torch.Tensor:

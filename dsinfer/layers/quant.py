@@ -461,7 +461,10 @@ def quantize_int4(
     q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
     # The kernel computes (q − 8) · scale + zero, so zero sits at the group's midpoint.
     zero = lo + 8.0 * scale
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.reshape(out_f, in_f), 1)
+    # The stored layout is torch's CPU int4pack wherever the weight is quantised (an
+    # accelerator's method repacks it for its kernel after loading: quant_device.py).
+    codes = q.reshape(out_f, in_f).cpu()
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1).to(weight.device)
     scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [groups, out, 2]
     return {"qweight": packed, "scales_zeros": scales_zeros.to(dtype)}
 

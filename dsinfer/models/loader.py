@@ -25,6 +25,7 @@ from dsinfer.device.host_memory import release_freed_memory
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import default_weight_loader, fused_target
 from dsinfer.layers.quant import has_method, plan_formats, prepare_quantized, quantize_model
+from dsinfer.layers.quant_device import DEVICE_TYPES as QUANTISED_ON_ACCELERATORS
 from dsinfer.models.gguf_file import (
     config_from_gguf,
     iter_gguf_tensors,
@@ -260,12 +261,19 @@ def resolve_quantization(requested: str, dtype: str | torch.dtype, native: str) 
 
 
 def device_quantization(requested: str, scheme: str, device_type: str) -> str:
-    """`auto` on a device without kernels for the file's scheme (a Q4/Q8 GGUF on CUDA) loads
-    the weights as floats instead of refusing the file; an explicit scheme stays (and is
-    refused by name when its method is missing)."""
-    if requested == "auto" and not has_method(scheme, device_type):
-        logger.info("no %s kernels on %s: the weights load as floats", scheme, device_type)
-        return "none"
+    """`auto` on an accelerator, or on a device without kernels for the file's scheme, loads
+    a Q4/Q8 GGUF's weights as floats instead of refusing the file (an accelerator has the
+    memory, and its int4/int8 methods are asked for by name: --quantization int4|int8, or an
+    artifact); an explicit scheme stays (and is refused by name when its method is missing)."""
+    if requested == "auto" and scheme != "none":
+        if device_type in QUANTISED_ON_ACCELERATORS or not has_method(scheme, device_type):
+            logger.info(
+                "%s weights load as floats on %s (--quantization %s keeps them quantised)",
+                scheme,
+                device_type,
+                scheme,
+            )
+            return "none"
     return scheme
 
 
@@ -313,6 +321,9 @@ def load_model(
         logger.info("this CPU has no native bf16 GEMM (AVX512-BF16 or AMX): auto dtype is float32")
         tdtype = torch.float32
     net = build_model(cfg, tdtype, device)  # parameters in the target dtype: no fp32 copy
+    # The direct Q4 load packs torch's CPU layout in place; elsewhere the floats are loaded
+    # and quantised on the device (quantize_model), as from a safetensors checkpoint.
+    on_cpu = torch.device(device).type == "cpu"
     if random_weights:
         if random_quant in QUANTISED_SCHEMES:
             exceptions = plan_formats(net, random_quant, 32)
@@ -323,7 +334,7 @@ def load_model(
             finally:
                 torch.set_default_dtype(previous)
         fill_random_weights(net, seed)
-    elif reader is not None and scheme == "int4" and native == "int4" and unsplit():
+    elif reader is not None and scheme == "int4" and native == "int4" and unsplit() and on_cpu:
         # Q4 blocks are packed as they are; only the rest is dequantised (gguf_int4.py).
         direct = pack_gguf_int4(net, reader, cfg, tdtype)
         load_weights(net, iter_gguf_tensors(reader, cfg, skip=direct), preloaded=int4_params(net))
