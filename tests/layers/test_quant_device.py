@@ -37,7 +37,6 @@ from dsinfer.layers.quant_device import (
     tinygemm_shape_unsupported,
     widen_int4,
 )
-from dsinfer.models.loader import device_quantization
 
 CPU = torch.device("cpu")
 
@@ -185,10 +184,71 @@ def test_the_tensor_core_kernel_is_refused_off_cuda_and_for_shapes_it_does_not_t
     assert "in_features 40" in tinygemm_shape_unsupported(64, 40, 32)
 
 
-def test_a_quantised_gguf_loads_as_floats_on_an_accelerator_unless_asked() -> None:
-    assert device_quantization("auto", "int4", "cpu") == "int4"
-    for device in ("cuda", "npu"):
-        assert device_quantization("auto", "int4", device) == "none"
-        assert device_quantization("auto", "int8", device) == "none"
-        assert device_quantization("int4", "int4", device) == "int4"  # asked by name
-    assert device_quantization("auto", "none", "cuda") == "none"
+def _with_device_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Register the accelerators' methods for the CPU, for the engine test below."""
+    import dsinfer.layers.quant as quant
+
+    linear = {**quant._LINEAR_METHODS}
+    experts = {**quant._EXPERTS_METHODS}
+    linear[("int4", "cpu")], linear[("int8", "cpu")] = (
+        DeviceInt4LinearMethod,
+        DeviceInt8LinearMethod,
+    )
+    experts[("int4", "cpu")], experts[("int8", "cpu")] = (
+        DeviceInt4ExpertsMethod,
+        DeviceInt8ExpertsMethod,
+    )
+    monkeypatch.setattr(quant, "_LINEAR_METHODS", linear)
+    monkeypatch.setattr(quant, "_EXPERTS_METHODS", experts)
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek-v2"])
+def test_an_engine_on_the_device_methods_decodes_as_on_the_cpu_methods(
+    model: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    """The whole engine (load with --quantization int4, quantise, prepare, decode, the int8 LM
+    head, int4 routed and shared experts) with the device methods on the portable path gives
+    the CPU methods' logits along a decode and their greedy tokens up to near-ties."""
+    from dsinfer import LLM, SamplingParams
+    from tests.helpers import agree_or_near_tie, decode_logits, random_prompts, tiny_llama_dir
+
+    if model == "llama":
+        path = tiny_llama_dir(tmp_path / "m", num_layers=2, max_positions=128)
+    else:
+        transformers = pytest.importorskip("transformers")
+        from tests.helpers import DEEPSEEK_CASES, DEEPSEEK_COMMON, write_tiny_tokenizer
+
+        torch.manual_seed(4)
+        # Experts of 64 intermediate rows: int4 (the CPU kernel's shapes), not int8.
+        shape = {
+            **DEEPSEEK_COMMON,
+            **DEEPSEEK_CASES["v2-lite-shape"][1],
+            "moe_intermediate_size": 64,
+        }
+        path = tmp_path / "m"
+        transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**shape)).save_pretrained(
+            path
+        )
+        write_tiny_tokenizer(path)
+    options = dict(
+        dtype="bfloat16", quantization="int4", backend="reference", num_blocks=64, block_size=16
+    )
+    cpu = LLM(str(path), **options)
+    _with_device_methods(monkeypatch)
+    device = LLM(str(path), **options)
+    methods = {
+        type(m.method)
+        for m in device.engine.executor.runner.model.modules()
+        if hasattr(m, "method")
+    }
+    assert DeviceInt4LinearMethod in methods and DeviceInt8LinearMethod in methods  # the LM head
+    if model == "deepseek-v2":
+        assert DeviceInt4ExpertsMethod in methods
+    for ids in random_prompts((5, 30)):
+        got, want = decode_logits(device.engine, ids), decode_logits(cpu.engine, ids)
+        assert (got.float() - want.float()).abs().max().item() <= 3e-2, len(ids)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for ids in random_prompts((4, 19)):
+        ours = device.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0].token_ids
+        want = cpu.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0].token_ids
+        assert agree_or_near_tie(cpu.engine, ids, ours, want)

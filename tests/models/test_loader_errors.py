@@ -103,19 +103,22 @@ def test_prompt_longer_than_context(ckpt):
 
 
 def test_auto_quantization_falls_back_to_floats_where_the_device_has_no_kernels():
-    """A Q4/Q8 GGUF under `auto` keeps int4/int8 on the CPU and loads as floats on CUDA (no
-    int4/int8 method there); an explicit scheme is kept, so its refusal names the method."""
+    """A Q4/Q8 GGUF under `auto` keeps int4/int8 on the CPU and loads as floats on an
+    accelerator (its int4/int8 methods, layers/quant_device.py, are asked for by name) and on
+    a device with no method; an explicit scheme is kept, so a refusal names the method."""
     from dsinfer.layers.quant import has_method, quant_method
     from dsinfer.models.loader import device_quantization
 
-    assert has_method("int4", "cpu") and not has_method("int4", "cuda")
-    assert has_method("none", "cuda")
+    assert has_method("int4", "cpu") and has_method("int4", "cuda")
+    assert not has_method("int4", "mps") and has_method("none", "mps")
     assert device_quantization("auto", "int4", "cpu") == "int4"
-    assert device_quantization("auto", "int4", "cuda") == "none"
-    assert device_quantization("auto", "int8", "npu") == "none"
-    assert device_quantization("int4", "int4", "cuda") == "int4"
-    with pytest.raises(ValueError, match="no int4 weight method for cuda"):
-        quant_method("int4", 32, "cuda")
+    for device in ("cuda", "npu", "mps"):
+        assert device_quantization("auto", "int4", device) == "none"
+        assert device_quantization("auto", "int8", device) == "none"
+        assert device_quantization("int4", "int4", device) == "int4"
+    assert device_quantization("auto", "none", "cuda") == "none"
+    with pytest.raises(ValueError, match="no int4 weight method for mps"):
+        quant_method("int4", 32, "mps")
 
 
 def test_auto_dtype_of_a_bf16_checkpoint_is_float32_where_bf16_gemms_are_emulated(
