@@ -57,7 +57,7 @@ def test_int4_artifact_gives_the_same_logits_where_torch_packs_otherwise(tmp_pat
         pytest.skip("this CPU packs torch-cpu-avx2 only: no second layout to serve in")
 
     torch.manual_seed(12)
-    cfg = LlamaConfig(  # every int4 layer's rows a multiple of 64 (the convertible blocks)
+    cfg = LlamaConfig(  # every int4 layer's rows a multiple of 64 (whole blocks)
         vocab_size=320,
         hidden_size=64,
         intermediate_size=128,
