@@ -80,6 +80,17 @@ class MLAConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SparseAttentionConfig:
+    """DeepSeek Sparse Attention (V3.2): a lightning indexer scores every cached token for each
+    query and MLA attends to the `index_topk` best only. The cache keeps one indexer key of
+    `index_head_dim` per token and layer beside the latent."""
+
+    index_topk: int
+    index_head_dim: int
+    index_n_heads: int
+
+
+@dataclass(frozen=True, slots=True)
 class ExpertsConfig:
     """DeepSeekMoE routing and expert shapes (the model's hyper-parameters; layers/moe.py
     builds its layer config from them)."""
@@ -136,6 +147,13 @@ class ModelConfig:
         return MLAConfig(**{f.name: self.extra[f.name] for f in dataclasses.fields(MLAConfig)})
 
     @property
+    def sparse_attention(self) -> SparseAttentionConfig | None:
+        if "index_topk" not in self.extra:
+            return None
+        fields = dataclasses.fields(SparseAttentionConfig)
+        return SparseAttentionConfig(**{f.name: self.extra[f.name] for f in fields})
+
+    @property
     def moe(self) -> ExpertsConfig | None:
         if not self.extra.get("n_routed_experts"):
             return None
@@ -165,7 +183,9 @@ class ModelConfig:
         """Bytes of K and V that one token occupies across all cached layers."""
         elem = torch.tensor([], dtype=dtype).element_size()
         if self.mla is not None:  # one latent plus one rope key per token and layer
-            return self.num_cache_layers * self.mla.latent_width * elem
+            dsa = self.sparse_attention  # ... and the indexer's key (V3.2)
+            width = self.mla.latent_width + (dsa.index_head_dim if dsa is not None else 0)
+            return self.num_cache_layers * width * elem
         return 2 * self.num_cache_layers * self.num_kv_heads * self.head_dim * elem
 
 

@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V3 / R1 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): MLA + DeepSeekMoE.
+"""DeepSeek-V2 / V3 / R1 / V3.2 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
+DeepseekV32ForCausalLM): MLA + DeepSeekMoE; V3.2's attention is sparse (an indexer selects).
 
 V2 and V3 differ only in config flags: router scoring (softmax / sigmoid with a selection bias),
 group-limited routing, q_lora_rank (null in V2-Lite), YaRN parameters. The rope part of q and k
@@ -16,12 +17,12 @@ from torch import nn
 
 from dsinfer.config import ModelConfig
 from dsinfer.distributed.parallel_state import parallel_state
-from dsinfer.layers.attention import AttentionMetadata, make_attention
+from dsinfer.layers.attention import AttentionMetadata, IndexQuery, make_attention
 from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.moe import DeepseekMoE, MoEConfig
 from dsinfer.layers.norm import RMSNorm
-from dsinfer.layers.rotary import RotaryEmbedding, StepRope, yarn_mscale
+from dsinfer.layers.rotary import RotaryEmbedding, StepRope, apply_rotary, yarn_mscale
 from dsinfer.layers.step_program import MlaProgramLayer, capture_mla_step_program
 from dsinfer.models.deepseek_mtp import build_mtp_layer, map_mtp_name, mtp_forward
 from dsinfer.models.hf_config import common_config, refuse_mlp_bias
@@ -32,6 +33,46 @@ Rope = StepRope
 _EXPERT = re.compile(
     r"^((?:model\.layers\.\d+|mtp)\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
 )
+
+
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer: per token a key (wk, LayerNorm, rotary on its first
+    rope dims, not interleaved), per query index_n_heads queries from the query latent (wq_b)
+    and a weight each (weights_proj, fp32); the sparse attention ranks cached tokens by them
+    (layers/attention/sparse_mla.py). Replicated under tensor parallel: every rank selects for
+    all its heads. Its projections stay float in quantised artifacts (the selection is a
+    ranking: DeepSeek's own kernels keep it at fp8 or better)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        dsa, m = cfg.sparse_attention, cfg.mla
+        assert dsa is not None and m is not None and m.q_lora_rank, "V3.2 has a query latent"
+        self.heads, self.dim, self.rope_dim = (
+            dsa.index_n_heads,
+            dsa.index_head_dim,
+            m.qk_rope_head_dim,
+        )
+        self.wq_b = Linear(m.q_lora_rank, self.heads * self.dim, quantizable=False)
+        self.wk = Linear(cfg.hidden_size, self.dim, quantizable=False)
+        self.k_norm = nn.LayerNorm(self.dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False, dtype=torch.float32)
+        self.weights_proj.weight.keep_fp32 = True  # type: ignore[attr-defined]  # as the reference
+        for p in (*self.k_norm.parameters(), *self.weights_proj.parameters()):
+            p.requires_grad_(False)  # inference only, as every other parameter here
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, rope: Rope) -> IndexQuery:
+        """x [T, hidden], the normed query latent [T, q_lora] → the step's IndexQuery."""
+        t = x.shape[0]
+        q = self.wq_b(q_latent).view(t, self.heads, self.dim)
+        k = self.k_norm(self.wk(x)).unsqueeze(1)  # [T, 1, D]
+        q = torch.cat(
+            [apply_rotary(q[..., : self.rope_dim], rope.cos, rope.sin), q[..., self.rope_dim :]], -1
+        )
+        k = torch.cat(
+            [apply_rotary(k[..., : self.rope_dim], rope.cos, rope.sin), k[..., self.rope_dim :]], -1
+        )
+        w = self.weights_proj(x.float()) * self.heads**-0.5  # [T, heads], fp32
+        return IndexQuery(q=q, w=w, k=k.squeeze(1))
 
 
 class MLA(nn.Module):
@@ -67,15 +108,22 @@ class MLA(nn.Module):
         scale = qk**-0.5
         if cfg.rope.kind == "yarn" and cfg.rope.mscale_all_dim:
             scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
-        self.attn = make_attention(
-            "mla",
-            num_heads=self.h,
-            nope=self.nope,
-            rope=self.rope_dim,
-            v_dim=self.v,
-            lora=self.lora,
-            scale=scale,
+        shape = dict(
+            num_heads=self.h, nope=self.nope, rope=self.rope_dim, v_dim=self.v, lora=self.lora
         )
+        dsa = cfg.sparse_attention
+        # DeepSeek-V3.2: sparse attention over the tokens its indexer selects.
+        self.indexer = Indexer(cfg) if dsa is not None else None
+        if dsa is None:
+            self.attn = make_attention("mla", **shape, scale=scale)
+        else:
+            self.attn = make_attention(
+                "mla_sparse",
+                **shape,
+                scale=scale,
+                index_topk=dsa.index_topk,
+                index_scale=dsa.index_head_dim**-0.5,
+            )
 
     def use_kernels(self, kernels: Kernels, device_type: str) -> None:
         self.attn = self.attn.rebuilt(kernels.name, device_type)
@@ -85,7 +133,8 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))[0]
+            q = self.q_b_proj(q_latent)
         else:
             q = self.q_proj(x)
         q = q.view(t, self.h, self.nope + self.rope_dim)
@@ -93,9 +142,14 @@ class MLA(nn.Module):
         # Contiguous, so that the fused backend's norm kernel takes it (and the step program
         # can run the same kernel).
         c = self.kv_a_layernorm(kv[:, : self.lora].contiguous())[0]  # [T, lora]
-        # Rotary on the rope parts, the latent (c | k_pe) into the cache, attention: the
-        # backend's (one kernel for decode rows on the fused CPU backend).
-        o = self.attn.forward_rope(q, kv, c, rope, cache[0], self.kv_b_proj.weight, meta)
+        kv_b = self.kv_b_proj.weight
+        if self.indexer is not None:  # the pair (latent, index keys) is the layer's cache
+            index = self.indexer(x, q_latent, rope)
+            o = self.attn.forward_sparse(q, kv, c, index, rope, cache, kv_b, meta)
+        else:
+            # Rotary on the rope parts, the latent (c | k_pe) into the cache, attention: the
+            # backend's (one kernel for decode rows on the fused CPU backend).
+            o = self.attn.forward_rope(q, kv, c, rope, cache[0], kv_b, meta)
         return self.o_proj(o.reshape(t, self.h * self.v))
 
 
@@ -153,7 +207,7 @@ class DeepseekModel(nn.Module):
 
 def deepseek_hyperparameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """MLA and MoE hyper-parameters of DeepSeek-V2/V3 configs."""
-    v3 = cfg["architectures"][0] == "DeepseekV3ForCausalLM"
+    v3 = cfg["architectures"][0] in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
     scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
     topk_method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     grouped = topk_method in ("group_limited_greedy", "noaux_tc")
@@ -177,6 +231,22 @@ def deepseek_hyperparameters(cfg: dict[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)) and v3,
         "score_correction_bias": topk_method == "noaux_tc",
         "num_nextn_predict_layers": int(cfg.get("num_nextn_predict_layers") or 0),
+        **sparse_attention_hyperparameters(cfg),
+    }
+
+
+def sparse_attention_hyperparameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3.2's indexer (config.SparseAttentionConfig); none for V2/V3."""
+    if cfg["architectures"][0] != "DeepseekV32ForCausalLM":
+        return {}
+    if not cfg.get("q_lora_rank"):
+        raise ValueError(
+            "a DeepSeek-V3.2 config needs q_lora_rank (its indexer reads the query latent)"
+        )
+    return {
+        "index_topk": int(cfg.get("index_topk", 2048)),
+        "index_head_dim": int(cfg.get("index_head_dim", 128)),
+        "index_n_heads": int(cfg.get("index_n_heads", 64)),
     }
 
 
@@ -307,3 +377,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """V3 / R1: the config parser sets sigmoid scoring with the selection bias."""
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """V3.2: V3 whose attention is DeepSeek Sparse Attention (MLA over the tokens a lightning
+    indexer selects: Indexer above, layers/attention/sparse_mla.py)."""
+
+    def capture_step_program(self, kv_caches: list) -> str | None:
+        return "the sparse attention's indexer has no program kernel"

@@ -8,7 +8,11 @@ from typing import Any
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from dsinfer.models.deepseek_v2 import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    DeepseekV32ForCausalLM,
+)
 from dsinfer.models.llama import LlamaForCausalLM
 from dsinfer.models.qwen2 import Qwen2ForCausalLM
 
@@ -17,6 +21,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
 }
 
 

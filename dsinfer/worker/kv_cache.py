@@ -123,13 +123,16 @@ def allocate_kv_cache(
     rows = n + reserved_blocks
     none = torch.empty(0, dtype=dtype, device=device)  # another stage's layer
     # MLA layout: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one per layer;
-    # every TP rank keeps the whole latent (each of its heads reads all of it). MHA: K and V
-    # blocks [num_blocks, KV, block_size, D].
-    shapes = (
-        [(rows, cache.block_size, mla.latent_width)]
-        if mla is not None
-        else [(rows, model.num_kv_heads, cache.block_size, model.head_dim)] * 2
-    )
+    # every TP rank keeps the whole latent (each of its heads reads all of it); with sparse
+    # attention (V3.2) the indexer's keys [num_blocks, block_size, index_head_dim] beside it.
+    # MHA: K and V blocks [num_blocks, KV, block_size, D].
+    dsa = model.sparse_attention
+    if mla is None:
+        shapes = [(rows, model.num_kv_heads, cache.block_size, model.head_dim)] * 2
+    else:
+        shapes = [(rows, cache.block_size, mla.latent_width)]
+        if dsa is not None:
+            shapes.append((rows, cache.block_size, dsa.index_head_dim))
     # Layers past num_layers (the MTP layer) live on the first stage, beside the head.
     extra = state.is_first_stage
     cached = [i in owned or (i >= full.num_layers and extra) for i in range(full.num_cache_layers)]

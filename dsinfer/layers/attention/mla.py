@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsinfer.layers.attention.backend import AttentionBackend, AttentionMetadata
+from dsinfer.layers.attention.backend import AttentionBackend, AttentionMetadata, PrefillSeq
 from dsinfer.layers.attention.registry import register_attention
 from dsinfer.layers.rotary import StepRope, apply_rotary, deinterleave_pairs
 
@@ -81,10 +81,12 @@ class MLAPagedAttention(AttentionBackend):
             else:
                 ctx = cache.view(cache.shape[0], -1).index_select(0, p.block_table)
                 ctx = ctx.view(-1, self.lora + self.rope)[: p.ctx_len]
-            out[rows] = self._naive(q_nope[rows], q_pe[rows], ctx, kv_b, p.ctx_len - p.q_len).to(
-                out.dtype
-            )
+            out[rows] = self._prefill(q_nope[rows], q_pe[rows], ctx, kv_b, p).to(out.dtype)
         return out
+
+    def _prefill(self, q_nope, q_pe, ctx, kv_b, p: PrefillSeq) -> torch.Tensor:  # noqa: ANN001
+        """One prefill chunk's rows: q [Q, H, ·] against its context ctx [C, lora + rope]."""
+        return self._naive(q_nope, q_pe, ctx, kv_b, p.ctx_len - p.q_len)
 
     def _split_kv_b(self, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's key and value halves in fp32: [H, nope, lora], [H, v, lora]. Converted

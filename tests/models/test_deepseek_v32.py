@@ -1,0 +1,144 @@
+"""DeepSeek-V3.2 (DeepSeek Sparse Attention) against transformers' DeepseekV32ForCausalLM: a
+tiny random checkpoint whose indexer keeps 8 tokens per query, so that prompts of 9-40 tokens
+attend sparsely. Logits at every position (prefill path and decode path), greedy tokens in a
+batch with chunked prefill, preemption and prefix-cache hits, the cache layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsinfer import SamplingParams
+from tests.helpers import DEEPSEEK_COMMON as COMMON
+from tests.helpers import (
+    VOCAB,
+    assert_batched_greedy_matches,
+    assert_logits_match,
+    assert_pool_clean,
+    decode_logits,
+    hf_greedy,
+    save_and_load,
+    tokens_match_up_to_near_tie,
+)
+
+TOPK = 8
+# 16 index heads: an index score is exactly 0 (a tie torch.topk may break either way) only
+# where all 16 heads' relu are 0, about once in 65,536 (query, token) pairs.
+V32 = dict(
+    q_lora_rank=24,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    index_topk=TOPK,
+    index_head_dim=16,
+    index_n_heads=16,
+)
+
+
+def _reference(seed: int = 3):  # noqa: ANN202
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV32ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV32")
+    common = {k: v for k, v in COMMON.items() if k != "rope_scaling"}
+    cfg = transformers.DeepseekV32Config(
+        **common, **V32, rope_parameters={"rope_theta": 10000.0, **_yarn()}
+    )
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV32ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # make routing and the selection matter
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3, generator=g)
+            indexer = layer.self_attn.indexer
+            indexer.wk.weight.normal_(0, 0.3, generator=g)
+            indexer.wq_b.weight.normal_(0, 0.3, generator=g)
+    return model.eval()
+
+
+def _yarn() -> dict:
+    """tests.helpers' YaRN in transformers 5's rope_parameters form."""
+    from tests.helpers import DEEPSEEK_YARN
+
+    yarn = {k: v for k, v in DEEPSEEK_YARN.items() if k != "type"}
+    return {"rope_type": "yarn", **yarn}
+
+
+@pytest.fixture(scope="module", params=["reference", "fused"])
+def tiny(request, tmp_path_factory):  # noqa: ANN001, ANN201
+    model = _reference()
+    llm = save_and_load(model, tmp_path_factory.mktemp("v32"), request.param)
+    return llm, model
+
+
+def test_the_indexer_selects_so_sparse_attention_is_not_dense(tiny) -> None:  # noqa: ANN001
+    """The check below would pass trivially if the selection changed nothing: here the same
+    model attending densely gives other logits past TOPK tokens."""
+    _, ref = tiny
+    ids = torch.arange(3, 43).unsqueeze(0)
+    with torch.inference_mode():
+        sparse = ref(ids).logits[0]
+        for layer in ref.model.layers:
+            layer.self_attn.indexer.index_topk = 10**6
+        try:
+            dense = ref(ids).logits[0]
+        finally:
+            for layer in ref.model.layers:
+                layer.self_attn.indexer.index_topk = TOPK
+    assert torch.equal(sparse[:TOPK], dense[:TOPK])
+    assert (sparse[TOPK:] - dense[TOPK:]).abs().max() > 1e-2
+
+
+def test_logits_match_through_prefill(tiny) -> None:  # noqa: ANN001
+    llm, ref = tiny
+    assert_logits_match(llm, ref, (1, 8, 9, 40), VOCAB, 1e-4)
+
+
+def test_logits_match_through_decode(tiny) -> None:  # noqa: ANN001
+    """One token a step: every row is a decode row, selected from the index cache."""
+    llm, ref = tiny
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (30,), generator=g).tolist()
+    with torch.inference_mode():  # as the engine runs (MLA caches kv_b's split per weight)
+        want = ref(torch.tensor([ids])).logits[0]
+        err = (decode_logits(llm.engine, ids).float() - want).abs().max().item()
+    assert err < 1e-4, err
+
+
+def test_greedy_matches_batched_with_chunks(tiny) -> None:  # noqa: ANN001
+    llm, ref = tiny
+    assert_batched_greedy_matches(llm, ref, (3, 11, 26), VOCAB, 24)
+
+
+def test_the_cache_keeps_the_latent_and_the_index_keys(tiny) -> None:  # noqa: ANN001
+    llm, _ = tiny
+    cfg = llm.engine.model_config
+    assert cfg.sparse_attention is not None and cfg.sparse_attention.index_topk == TOPK
+    assert llm.engine.kv_bytes_per_token == cfg.num_layers * (16 + 8 + 16) * 4
+    latent, keys = llm.engine.executor.runner.kv_caches[0]
+    assert latent.shape[1:] == (4, 24) and keys.shape[1:] == (4, 16)
+    layers = llm.engine.executor.runner.model.model.layers
+    assert {type(layer.self_attn.attn).__name__ for layer in layers} == {"SparseMLAPagedAttention"}
+
+
+def test_preemption_chunks_and_prefix_cache_hits_keep_the_reference_tokens(tiny, tmp_path) -> None:  # noqa: ANN001
+    """Recomputed after preemption, prefilled in chunks of 8, prompts sharing a prefix (cache
+    hits: their index keys are read back from cached blocks): the reference's greedy tokens."""
+    llm, ref = tiny
+    small = save_and_load(
+        ref, tmp_path, llm.engine.config.backend, num_blocks=16, max_num_batched_tokens=8
+    )
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, VOCAB, (12,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (3, 9, 5, 14)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cached = 0
+    for attempt in range(2):
+        outs = small.generate([{"prompt_token_ids": p} for p in prompts], params)
+        cached += sum(o.metrics.num_cached_tokens for o in outs)
+        for p, out in zip(prompts, outs, strict=True):
+            want, logits = hf_greedy(ref, p, 16)
+            assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits), attempt
+    assert small.engine.scheduler.num_preemptions > 0 and cached > 0
+    assert_pool_clean(small.engine)
