@@ -142,3 +142,60 @@ def test_preemption_chunks_and_prefix_cache_hits_keep_the_reference_tokens(tiny,
             assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits), attempt
     assert small.engine.scheduler.num_preemptions > 0 and cached > 0
     assert_pool_clean(small.engine)
+
+
+@pytest.fixture(scope="module")
+def v32_src(tmp_path_factory):  # noqa: ANN201
+    from tests.helpers import write_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("v32-src")
+    _reference().save_pretrained(path)
+    write_tiny_tokenizer(path)
+    return path
+
+
+def test_an_int4_artifact_keeps_the_indexer_float_and_tracks_fp32(v32_src, tmp_path) -> None:  # noqa: ANN001
+    """`dsinfer compile --quant int4`: the indexer's projections stay float (and its head
+    weights fp32, as the reference keeps them); the artifact's logits follow the fp32 model's
+    and it generates on the default backend."""
+    from dsinfer import LLM
+    from dsinfer.artifact.compiler import CompileOptions, compile_artifact
+    from tests.helpers import full_logits
+
+    art = tmp_path / "int4"
+    compile_artifact(str(v32_src), art, CompileOptions(quant="int4"))
+    llm = LLM(str(art), num_blocks=64, block_size=4)
+    indexer = llm.engine.executor.runner.model.model.layers[1].self_attn.indexer
+    assert indexer.wq_b.weight.dtype == torch.bfloat16 and indexer.wk.weight.is_floating_point()
+    assert indexer.weights_proj.weight.dtype == torch.float32
+    direct = LLM(str(v32_src), dtype="float32", num_blocks=64, block_size=4)
+    ids = torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(8)).tolist()
+    cos = torch.nn.functional.cosine_similarity(
+        full_logits(direct.engine, ids), full_logits(llm.engine, ids).float(), dim=-1
+    )
+    assert cos.min() > 0.95, cos
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 12
+    assert_pool_clean(llm.engine)
+
+
+def test_random_weights_with_the_mtp_layer_draft_and_verify(v32_src, tmp_path) -> None:  # noqa: ANN001
+    """A V3.2 config with one MTP layer (random weights): the MTP layer is a sparse-attention
+    layer too, with its own (latent, index keys) cache; MTP on gives MTP off's greedy tokens."""
+    import json
+
+    from dsinfer import LLM
+
+    cfg = json.loads((v32_src / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    common = dict(random_weights=True, dtype="float32", num_blocks=64, block_size=4)
+    on = LLM(str(tmp_path / "config.json"), mtp=True, tokenizer=str(v32_src), **common)
+    assert on.engine.executor.runner.model.mtp is not None
+    assert len(on.engine.executor.runner.kv_caches) == cfg["num_hidden_layers"] + 1
+    off = LLM(str(tmp_path / "config.json"), mtp=False, tokenizer=str(v32_src), **common)
+    prompt = [{"prompt_token_ids": list(range(5, 25))}]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ours = on.generate(prompt, params)[0].outputs[0].token_ids
+    assert ours == off.generate(prompt, params)[0].outputs[0].token_ids
+    assert_pool_clean(on.engine)
