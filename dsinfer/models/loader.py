@@ -26,6 +26,7 @@ from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import default_weight_loader, fused_target
 from dsinfer.layers.quant import has_method, plan_formats, prepare_quantized, quantize_model
 from dsinfer.layers.quant_device import DEVICE_TYPES as QUANTISED_ON_ACCELERATORS
+from dsinfer.models.fp8_checkpoint import checkpoint_quantization, dequantized
 from dsinfer.models.gguf_file import (
     config_from_gguf,
     iter_gguf_tensors,
@@ -100,9 +101,33 @@ def checkpoint_names(path: Path) -> set[str]:
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of an HF checkpoint; a block-FP8 one's weights widened by their scales
+    (models/fp8_checkpoint.py)."""
     files = safetensors_files(path)
     if not files:
         raise ValueError(f"no *.safetensors files in {path}; convert .bin checkpoints first")
+    quant = checkpoint_quantization(path)
+    tensors = _read_safetensors(path, files)
+    if quant is None:
+        yield from tensors
+        return
+    where = {n: fname for fname in files for n in _names(path / fname)}
+
+    def read(name: str) -> torch.Tensor | None:
+        if name not in where:
+            return None
+        with safe_open(str(path / where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    yield from dequantized(tensors, read, quant)
+
+
+def _names(file: Path) -> list[str]:
+    with safe_open(str(file), framework="pt") as f:
+        return list(f.keys())
+
+
+def _read_safetensors(path: Path, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for fname in files:
         with safe_open(str(path / fname), framework="pt") as f:
             for name in f.keys():
