@@ -76,7 +76,8 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError(
                 "this model has no chat template; send a plain prompt to "
-                "/v1/completions or LLM.generate instead"
+                "/v1/completions or LLM.generate instead, or give the server one "
+                "(dsinfer serve --chat-template FILE|TEXT)"
             )
         return render_chat(
             self.chat_template,
