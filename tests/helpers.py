@@ -238,6 +238,47 @@ DEEPSEEK_CASES = {
     "v3": ("v3", dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True)),
 }
 
+# DeepSeek-V3.2 (sparse attention): an indexer keeping 8 tokens a query, 16 index heads (an index
+# score is exactly 0, a tie torch.topk may break either way, only where all 16 heads' relu are
+# 0: about once in 65,536 (query, token) pairs).
+DEEPSEEK_V32_TOPK = 8
+DEEPSEEK_V32 = dict(
+    q_lora_rank=24,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    index_topk=DEEPSEEK_V32_TOPK,
+    index_head_dim=16,
+    index_n_heads=16,
+)
+
+
+def tiny_deepseek_v32(seed: int = 3, max_positions: int = 256):  # noqa: ANN201
+    """A tiny random transformers DeepseekV32ForCausalLM (YaRN), its router and indexer
+    scaled so that routing and the selection matter."""
+    import transformers
+
+    common = {k: v for k, v in DEEPSEEK_COMMON.items() if k != "rope_scaling"}
+    common["max_position_embeddings"] = max_positions
+    yarn = {k: v for k, v in DEEPSEEK_YARN.items() if k != "type"}
+    cfg = transformers.DeepseekV32Config(
+        **common,
+        **DEEPSEEK_V32,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "yarn", **yarn},
+    )
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV32ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3, generator=g)
+            indexer = layer.self_attn.indexer
+            indexer.wk.weight.normal_(0, 0.3, generator=g)
+            indexer.wq_b.weight.normal_(0, 0.3, generator=g)
+    return model.eval()
+
 
 PPL_TEXT = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "

@@ -7,8 +7,9 @@ prompt-lookup drafts (prompts that say a part twice), predicted outputs (the ref
 own answer with one token changed: drafts kept up to the edit, then found again), arrivals
 over several steps and aborts — and every request that finishes must give the greedy tokens
 of the reference backend running its prompt alone (fp32: up to a near-tie of 1e-3). Then the
-pool must be clean. Two models: a tiny Llama (the fused MHA kernels and the captured decode
-program) and a tiny DeepSeek-V3 (MLA's latent cache and kernels, routed experts).
+pool must be clean. Three models: a tiny Llama (the fused MHA kernels and the captured decode
+program), a tiny DeepSeek-V3 (MLA's latent cache and kernels, routed experts) and a tiny
+DeepSeek-V3.2 (sparse attention: the indexer's keys cached beside the latent).
 `make test` runs 32 and 12 seeds; `-m slow` some hundreds more."""
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ def _deepseek_v3_dir(path):  # noqa: ANN001, ANN202
     return path
 
 
+def _deepseek_v32_dir(path):  # noqa: ANN001, ANN202
+    """A tiny DeepSeek-V3.2 whose indexer keeps 8 tokens a query (the workloads' prompts run
+    to ~100 tokens: sparse attention nearly everywhere), as tests/models/test_deepseek_v32.py
+    builds it."""
+    from tests.helpers import tiny_deepseek_v32
+
+    tiny_deepseek_v32(max_positions=512).save_pretrained(path)
+    write_tiny_tokenizer(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     torch.manual_seed(11)
@@ -59,7 +71,12 @@ def deepseek(tmp_path_factory):
     return _deepseek_v3_dir(tmp_path_factory.mktemp("random-workloads-v3"))
 
 
-@pytest.fixture(scope="module", params=["llama", "deepseek"])
+@pytest.fixture(scope="module")
+def deepseek_v32(tmp_path_factory):
+    return _deepseek_v32_dir(tmp_path_factory.mktemp("random-workloads-v32"))
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek", "deepseek_v32"])
 def model(request) -> tuple[str, LLM]:
     """(checkpoint, its reference engine)."""
     path = str(request.getfixturevalue(request.param))
@@ -177,7 +194,7 @@ def _check_seed(seed: int, model: tuple[str, LLM]) -> dict[str, int]:
     }
 
 
-SEEDS = {"llama": 32, "deepseek": 12}  # in `make test`; the soak takes the next ones
+SEEDS = {"llama": 32, "deepseek": 12, "deepseek_v32": 8}  # in `make test`; the soak: the next
 
 
 def test_random_workloads_give_each_prompts_own_tokens(model, request):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dsinfer import SamplingParams
-from tests.helpers import DEEPSEEK_COMMON as COMMON
 from tests.helpers import (
+    DEEPSEEK_V32_TOPK,
     VOCAB,
     assert_batched_greedy_matches,
     assert_logits_match,
@@ -18,51 +18,18 @@ from tests.helpers import (
     decode_logits,
     hf_greedy,
     save_and_load,
+    tiny_deepseek_v32,
     tokens_match_up_to_near_tie,
 )
 
-TOPK = 8
-# 16 index heads: an index score is exactly 0 (a tie torch.topk may break either way) only
-# where all 16 heads' relu are 0, about once in 65,536 (query, token) pairs.
-V32 = dict(
-    q_lora_rank=24,
-    n_group=4,
-    topk_group=2,
-    norm_topk_prob=True,
-    index_topk=TOPK,
-    index_head_dim=16,
-    index_n_heads=16,
-)
+TOPK = DEEPSEEK_V32_TOPK
 
 
-def _reference(seed: int = 3):  # noqa: ANN202
+def _reference():  # noqa: ANN202
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV32ForCausalLM"):
         pytest.skip("this transformers has no DeepseekV32")
-    common = {k: v for k, v in COMMON.items() if k != "rope_scaling"}
-    cfg = transformers.DeepseekV32Config(
-        **common, **V32, rope_parameters={"rope_theta": 10000.0, **_yarn()}
-    )
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV32ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():  # make routing and the selection matter
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3, generator=g)
-            indexer = layer.self_attn.indexer
-            indexer.wk.weight.normal_(0, 0.3, generator=g)
-            indexer.wq_b.weight.normal_(0, 0.3, generator=g)
-    return model.eval()
-
-
-def _yarn() -> dict:
-    """tests.helpers' YaRN in transformers 5's rope_parameters form."""
-    from tests.helpers import DEEPSEEK_YARN
-
-    yarn = {k: v for k, v in DEEPSEEK_YARN.items() if k != "type"}
-    return {"rope_type": "yarn", **yarn}
+    return tiny_deepseek_v32()
 
 
 @pytest.fixture(scope="module", params=["reference", "fused"])
