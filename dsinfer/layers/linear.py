@@ -37,6 +37,12 @@ class ProgramOperand:
     dense_from_rows: int = 0  # int4: widen to bf16 for one GEMM from this many rows
 
 
+def parameters_device(module: nn.Module) -> torch.device:
+    """The device of a module's own parameters (the CPU for one that has none yet)."""
+    own = next(iter(module.parameters(recurse=False)), None)
+    return own.device if own is not None else torch.device("cpu")
+
+
 class LinearMethod:
     """Seam for weight formats. A method owns its tensors end to end: it declares them
     (`tensor_names`, `create_weights`), prepares them for the backend's kernels after loading
@@ -180,11 +186,15 @@ class Linear(nn.Module):
         self.method.use_kernels(self, kernels, device_type)
 
     def set_method(self, method: LinearMethod) -> None:
-        """Swap the weight format (artifact load, compile): drops the old weight tensors."""
+        """Swap the weight format (artifact load, compile): drops the old weight tensors; the
+        new ones are declared on the device the old ones were on (a model built on a GPU
+        quantised at load keeps its layers there)."""
+        device = parameters_device(self)
         for name in self.method.tensor_names:
             self._parameters.pop(name, None)
         self.method = method
-        method.create_weights(self, self.out_features, self.in_features)
+        with torch.device(device):
+            method.create_weights(self, self.out_features, self.in_features)
 
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole stored tensor of this layer (a compiled artifact holds

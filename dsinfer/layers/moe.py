@@ -19,7 +19,7 @@ from dsinfer.distributed.comm import all_reduce_stage
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.activation import silu_and_mul
 from dsinfer.layers.kernels import Kernels
-from dsinfer.layers.linear import Linear, ProgramOperand
+from dsinfer.layers.linear import Linear, ProgramOperand, parameters_device
 
 
 class ExpertsMethod:
@@ -231,10 +231,12 @@ class RoutedExperts(nn.Module):
     def set_method(self, method: ExpertsMethod) -> None:
         """Swap the weight format (artifact load, compile): drops the old tensors."""
         e, two_i, h = len(self.owned), 2 * self.intermediate, self.hidden
+        device = parameters_device(self)  # the new stacks where the old ones were
         for name in self.method.tensor_names:
             self._parameters.pop(name, None)
         self.method = method
-        method.create_weights(self, e, two_i, h)
+        with torch.device(device):
+            method.create_weights(self, e, two_i, h)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; weights, ids: [T, k] → Σ_k weight · expert(x): [T, H].

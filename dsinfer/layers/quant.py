@@ -439,8 +439,8 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.T
 
     Row by row, so in chunks: an fp32 copy of a whole LM head (113 MB for SmolLM2's) and its
     temporaries would set the process's peak memory at load."""
-    q = torch.empty(weight.shape, dtype=torch.int8)
-    scales = torch.empty(weight.shape[0])
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], device=weight.device)
     for start in range(0, weight.shape[0], _QUANTISE_ROWS):
         w = weight[start : start + _QUANTISE_ROWS].float()
         s = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [rows]

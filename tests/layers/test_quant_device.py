@@ -252,3 +252,24 @@ def test_an_engine_on_the_device_methods_decodes_as_on_the_cpu_methods(
         ours = device.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0].token_ids
         want = cpu.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0].token_ids
         assert agree_or_near_tie(cpu.engine, ids, ours, want)
+
+
+def test_a_new_weight_format_is_declared_where_the_layer_lives() -> None:
+    """Quantising at load on a GPU (or assigning an artifact's layout) swaps a layer's method:
+    its new tensors are declared on the layer's device, not the CPU (the meta device stands in
+    for a GPU here: the same rule, no memory)."""
+    from dsinfer.layers.quant import prepare_quantized
+
+    with torch.device("meta"):
+        lin = Linear(64, 128)
+        experts = RoutedExperts(
+            MoEConfig(hidden_size=64, intermediate_size=64, num_experts=4, top_k=2)
+        )
+    lin.set_method(DeviceInt8LinearMethod())
+    assert lin.qweight.device.type == "meta" and lin.scales.device.type == "meta"
+    experts.set_method(DeviceInt4ExpertsMethod(32))
+    assert {p.device.type for p in experts.parameters()} == {"meta"}
+    model = torch.nn.Sequential(Linear(64, 64))
+    model.to("meta")
+    prepare_quantized(model, "int4", 32, {}, "cuda")
+    assert model[0].qweight.device.type == "meta"
