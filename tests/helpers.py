@@ -182,6 +182,28 @@ def assert_batched_greedy_matches(llm, ref, lengths: tuple[int, ...], vocab: int
     assert_pool_clean(llm.engine)
 
 
+def assert_preempted_chunked_and_cached_runs_match(small, ref) -> None:  # noqa: ANN001
+    """`small`: an engine of `ref`'s weights with a pool too small for the load and small
+    prefill chunks. Prompts sharing a prefix run twice (prefix-cache hits the second time):
+    every greedy token is the reference's (up to a near-tie), requests were preempted and
+    recomputed, and the pool is clean."""
+    from dsinfer import SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(3, VOCAB, (12,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (3, 9, 5, 14)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cached = 0
+    for attempt in range(2):
+        outs = small.generate([{"prompt_token_ids": p} for p in prompts], params)
+        cached += sum(o.metrics.num_cached_tokens for o in outs)
+        for p, out in zip(prompts, outs, strict=True):
+            want, logits = hf_greedy(ref, p, 16)
+            assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits), attempt
+    assert small.engine.scheduler.num_preemptions > 0 and cached > 0
+    assert_pool_clean(small.engine)
+
+
 # -- shared builders and data (test modules import from here, never from each other) -------------
 VOCAB = 320
 

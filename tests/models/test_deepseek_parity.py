@@ -13,10 +13,8 @@ from tests.helpers import (
     VOCAB,
     assert_batched_greedy_matches,
     assert_logits_match,
-    assert_pool_clean,
-    hf_greedy,
+    assert_preempted_chunked_and_cached_runs_match,
     save_and_load,
-    tokens_match_up_to_near_tie,
 )
 
 PARAMS = [(case, backend) for case in sorted(CASES) for backend in ("reference", "fused")]
@@ -99,16 +97,4 @@ def test_preemption_and_prefix_cache_hits_keep_the_reference_tokens(tiny, tmp_pa
     small = save_and_load(
         ref, tmp_path, llm.engine.config.backend, num_blocks=14, max_num_batched_tokens=8
     )
-    g = torch.Generator().manual_seed(2)
-    shared = torch.randint(3, VOCAB, (12,), generator=g).tolist()
-    prompts = [shared + torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (3, 9, 5, 14)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    cached = 0
-    for attempt in range(2):
-        outs = small.generate([{"prompt_token_ids": p} for p in prompts], params)
-        cached += sum(o.metrics.num_cached_tokens for o in outs)
-        for p, out in zip(prompts, outs, strict=True):
-            want, logits = hf_greedy(ref, p, 16)
-            assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits), attempt
-    assert small.engine.scheduler.num_preemptions > 0 and cached > 0
-    assert_pool_clean(small.engine)
+    assert_preempted_chunked_and_cached_runs_match(small, ref)

@@ -15,11 +15,10 @@ from tests.helpers import (
     assert_batched_greedy_matches,
     assert_logits_match,
     assert_pool_clean,
+    assert_preempted_chunked_and_cached_runs_match,
     decode_logits,
-    hf_greedy,
     save_and_load,
     tiny_deepseek_v32,
-    tokens_match_up_to_near_tie,
 )
 
 TOPK = DEEPSEEK_V32_TOPK
@@ -96,19 +95,7 @@ def test_preemption_chunks_and_prefix_cache_hits_keep_the_reference_tokens(tiny,
     small = save_and_load(
         ref, tmp_path, llm.engine.config.backend, num_blocks=16, max_num_batched_tokens=8
     )
-    g = torch.Generator().manual_seed(2)
-    shared = torch.randint(3, VOCAB, (12,), generator=g).tolist()
-    prompts = [shared + torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (3, 9, 5, 14)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    cached = 0
-    for attempt in range(2):
-        outs = small.generate([{"prompt_token_ids": p} for p in prompts], params)
-        cached += sum(o.metrics.num_cached_tokens for o in outs)
-        for p, out in zip(prompts, outs, strict=True):
-            want, logits = hf_greedy(ref, p, 16)
-            assert tokens_match_up_to_near_tie(out.outputs[0].token_ids, want, logits), attempt
-    assert small.engine.scheduler.num_preemptions > 0 and cached > 0
-    assert_pool_clean(small.engine)
+    assert_preempted_chunked_and_cached_runs_match(small, ref)
 
 
 @pytest.fixture(scope="module")
