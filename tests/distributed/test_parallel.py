@@ -227,3 +227,30 @@ def test_parallel_auto_plans_for_this_machine_and_runs(tmp_path, capsys, caplog)
         assert main([*argv, "--parallel", "auto"]) == 0
     assert "--parallel auto:" in caplog.text  # the chosen plan and every prediction, logged
     assert capsys.readouterr().out == single
+
+
+@pytest.mark.slow  # multi-process: make test-slow
+def test_tp2_deepseek_v32_greedy_equals_single_process_with_preemption(tmp_path):
+    """DeepSeek-V3.2 under tensor parallel: each rank attends with half the heads, and every
+    rank's replicated indexer selects the same tokens (its keys cached whole on each rank)."""
+    from tests.helpers import tiny_deepseek_v32, write_tiny_tokenizer
+
+    tiny_deepseek_v32().save_pretrained(tmp_path / "v32")
+    write_tiny_tokenizer(tmp_path / "v32")
+    cache = CacheConfig(block_size=4, num_blocks=14)
+    config = EngineConfig(
+        model=str(tmp_path / "v32"),
+        dtype="float32",
+        cache=cache,
+        scheduler=SchedulerConfig(max_num_seqs=4),
+    )
+    ref = _generate(LLMEngine(config))
+    tp = LLMEngine(_with_tp(config, 2))
+    try:
+        assert _generate(tp) == ref
+        assert tp.scheduler.num_preemptions > 0
+        attn = tp.executor.runner.model.model.layers[1].self_attn
+        assert attn.h == 2 and attn.indexer.heads == 16  # heads split, the indexer whole
+        assert len(tp.executor.runner.kv_caches[1]) == 2  # (latent, index keys)
+    finally:
+        tp.shutdown()
