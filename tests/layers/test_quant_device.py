@@ -273,3 +273,31 @@ def test_a_new_weight_format_is_declared_where_the_layer_lives() -> None:
     model.to("meta")
     prepare_quantized(model, "int4", 32, {}, "cuda")
     assert model[0].qweight.device.type == "meta"
+
+
+def test_random_int4_layouts_on_the_device_methods_decode(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """`random_quant="int4"` (benchmarks/cuda_decode.py --int4 on a GPU): the layouts declared
+    by the device methods, filled with random codes, prepared for the portable kernel, decode."""
+    from dsinfer import LLM, SamplingParams
+    from tests.helpers import tiny_llama_dir
+
+    path = tiny_llama_dir(tmp_path / "m", num_layers=2)
+    _with_device_methods(monkeypatch)
+    llm = LLM(
+        str(path / "config.json"),
+        random_weights=True,
+        random_quant="int4",
+        dtype="bfloat16",
+        num_blocks=32,
+        block_size=16,
+        tokenizer=str(path),
+    )
+    layer = llm.engine.executor.runner.model.model.layers[0].mlp.gate_up_proj
+    assert (
+        isinstance(layer.method, DeviceInt4LinearMethod)
+        and layer.method.weight.kernel == "portable"
+    )
+    out = llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=5, ignore_eos=True)
+    )
+    assert len(out[0].outputs[0].token_ids) == 5
