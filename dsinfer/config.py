@@ -216,6 +216,9 @@ def context_length(model: ModelConfig, max_model_len: int | None) -> int:
     return min(model.max_position_embeddings, max_model_len or model.max_position_embeddings)
 
 
+MAX_MTP_DRAFTS = 8
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str
@@ -252,6 +255,9 @@ class EngineConfig:
     allow_unsigned: bool = False
     # Self-speculative decoding with a DeepSeek-V3 checkpoint's MTP layer, when it has one.
     mtp: bool = True
+    # Draft tokens a step from the MTP layer: 1, or a chain of up to 8 (the layer fed its own
+    # output and draft, one position on); the scheduler holds mtp_drafts - 1 KV slots ahead.
+    mtp_drafts: int = 1
     # Prompt-lookup speculative decoding: up to this many draft tokens a step, taken from
     # where the request's last tokens occurred before (0: off; it takes precedence over MTP).
     ngram_speculation: int = 0
@@ -266,6 +272,11 @@ class EngineConfig:
     master_port: int | None = None  # one node: a free local port
 
     def __post_init__(self) -> None:
+        if not 1 <= self.mtp_drafts <= MAX_MTP_DRAFTS:
+            raise ValueError(
+                f"mtp_drafts: draft tokens a step from the MTP layer must be 1 to "
+                f"{MAX_MTP_DRAFTS}, got {self.mtp_drafts}"
+            )
         if self.ngram_speculation < 0:
             raise ValueError(
                 f"ngram_speculation: draft tokens a step must be >= 0, got {self.ngram_speculation}"

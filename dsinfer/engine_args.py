@@ -152,6 +152,11 @@ class EngineArgs:
         metadata=_opt("use a DeepSeek-V3 checkpoint's MTP layer for speculative decoding "
                       "(--no-mtp: off)", negate="--no-mtp"),
     )  # fmt: skip
+    mtp_drafts: int = field(
+        default=1,
+        metadata=_opt("draft tokens a step from the MTP layer: 1, or a chain of up to 8 (the "
+                      "layer fed its own output; each verified exactly)", type=int, metavar="N"),
+    )  # fmt: skip
     ngram_speculation: int = field(
         default=0,
         metadata=_opt("prompt-lookup speculative decoding: draft up to K tokens a step from "
@@ -190,6 +195,7 @@ class EngineArgs:
             trusted_keys=tuple(str(k) for k in self.trusted_keys),
             allow_unsigned=self.allow_unsigned,
             mtp=self.mtp,
+            mtp_drafts=self.mtp_drafts,
             ngram_speculation=self.ngram_speculation,
             tensor_parallel=self.tensor_parallel,
             pipeline_parallel=self.pipeline_parallel,

@@ -82,10 +82,11 @@ def mtp_dir(tmp_path_factory):
     h = V3["hidden_size"]
     saved = load_file(str(twin_dir / "model.safetensors"))
     mtp = {k: v for k, v in saved.items() if k.startswith("model.layers.3.")}
-    mtp["model.layers.3.enorm.weight"] = torch.ones(h)
-    mtp["model.layers.3.hnorm.weight"] = torch.ones(h)
+    # Norm weights that are not all ones: a state normed twice differs from one normed once
+    # (the chained drafts' reference computation tells which one the chain feeds back).
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.3.{norm}.weight"] = 1.0 + 0.3 * torch.randn(h, generator=g)
     mtp["model.layers.3.eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.05
-    mtp["model.layers.3.shared_head.norm.weight"] = torch.ones(h)
     # DeepSeek's checkpoints repeat the shared embedding and head under the MTP prefix.
     mtp["model.layers.3.embed_tokens.weight"] = model.model.embed_tokens.weight.detach().clone()
     mtp["model.layers.3.shared_head.head.weight"] = model.lm_head.weight.detach().clone()

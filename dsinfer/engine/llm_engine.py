@@ -137,7 +137,9 @@ class LLMEngine:
         if warning:
             logger.warning("%s", warning)
         self.kv_manager = KVCacheManager(self.pool, self.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        # A chained MTP drafter writes its layer's KV past a decode's rows: slots held ahead.
+        lookahead = getattr(self.executor.runner.drafter, "lookahead", 0)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, lookahead)
         self.utilization = UtilizationMeter(
             step_model(self.executor.runner.model, loaded.config, self.kv_bytes_per_token),
             bandwidth,

@@ -36,9 +36,12 @@ class StepUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, lookahead: int = 0) -> None:
+        """lookahead: KV slots to hold past a decode's rows where the pool has them (a chained
+        MTP drafter writes its layer's KV there: worker/spec_decode.py)."""
         self.config = config
         self.kv = kv
+        self.lookahead = lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -86,7 +89,7 @@ class Scheduler:
         preempted = False
 
         i = 0
-        drafted: list[int] = []  # seqs holding a decode whose request has drafts
+        decodes: list[int] = []  # seqs that sample this step (drafts and lookahead go there)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -97,18 +100,22 @@ class Scheduler:
                 break
             seqs.append(self._slice(req, num_new))
             budget -= num_new
-            if req.draft_token_ids:
-                drafted.append(len(seqs) - 1)
+            if req.num_computed_tokens + num_new == req.num_tokens:
+                decodes.append(len(seqs) - 1)  # it samples: a decode, or a last prompt chunk
             i += 1
-        # Drafts once every running request has its own rows: from the budget and the free
-        # blocks left, never by preempting a request (a draft may be wrong; a request is not).
-        for j in drafted:
+        # Drafts (and the lookahead slots) once every running request has its own rows: from
+        # the budget and the free blocks left, never by preempting a request (a draft may be
+        # wrong; a request is not). Without room for the lookahead, the drafts alone.
+        for j in decodes:
             req = self.requests[seqs[j].req_id]
             num_new = len(seqs[j].token_ids)
             num_draft = self._num_draft(req, num_new, budget)
-            if num_draft and self.kv.allocate_slots(req, num_new + num_draft):
-                seqs[j] = self._slice(req, num_new, num_draft)
-                budget -= num_draft
+            for extra in dict.fromkeys((self.lookahead, 0)):
+                want = num_new + num_draft + extra
+                if (num_draft or extra) and self.kv.allocate_slots(req, want):
+                    seqs[j] = self._slice(req, num_new, num_draft)
+                    budget -= num_draft
+                    break
 
         while (
             not preempted
@@ -129,8 +136,11 @@ class Scheduler:
                 req.num_cached_prompt_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            seqs.append(self._slice(req, num_new))
             budget -= num_new
+            if self.lookahead and num_cached + num_new == req.num_tokens:
+                # Its last prompt chunk samples (and the drafter drafts) this step.
+                self.kv.allocate_slots(req, num_new + self.lookahead)
+            seqs.append(self._slice(req, num_new))
 
         new_reqs = []
         for s in seqs:

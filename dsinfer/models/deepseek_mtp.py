@@ -46,14 +46,16 @@ def mtp_forward(
     rope: tuple[torch.Tensor, torch.Tensor],
     cache: tuple[torch.Tensor, ...],
     meta: object,
-) -> torch.Tensor:
-    """embeds, hidden: [T, hidden] → normed MTP output [T, hidden] (logits via the LM head)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """embeds, hidden: [T, hidden] → (normed MTP output [T, hidden], for logits via the LM
+    head; the layer's output before that norm, the hidden state a chained MTP step takes as
+    its `hidden`, as vLLM chains a depth-1 MTP layer)."""
     e, _ = mtp.enorm(embeds)
     h, _ = mtp.hnorm(hidden)
     x = mtp.eh_proj(torch.cat([e, h], dim=-1))  # [T, 2·hidden] → [T, hidden]
     x, residual = mtp(x, None, rope, cache, meta)
-    out, _ = mtp.shared_head.norm(x, residual)
-    return out
+    out, state = mtp.shared_head.norm(x, residual)
+    return out, state
 
 
 def map_mtp_name(name: str, prefix: str) -> str | None:

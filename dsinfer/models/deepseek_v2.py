@@ -346,8 +346,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         positions: torch.Tensor,
         kv_caches: list,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """[T] next tokens and [T, hidden] main-model states → MTP states for draft logits."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] next tokens and [T, hidden] states (the main model's, or a chained MTP step's
+        un-normed output) → (MTP states for draft logits, the un-normed states a next chained
+        step takes), both [T, hidden]."""
         assert self.mtp is not None
         embeds = self.model.embed_tokens(next_ids)
         rope = self.model.rotary.cos_sin(positions, embeds.dtype)

@@ -47,6 +47,7 @@ class ModelRunner:
         ngram_speculation: int = 0,
         huge_pages: bool = True,
         max_model_len: int | None = None,
+        mtp_drafts: int = 1,
     ) -> None:
         """step_program: capture the decode step (fused backend): one C++ program on the CPU,
         graphs per batch bucket on an accelerator. decode_graphs: None decides by the device
@@ -54,7 +55,7 @@ class ModelRunner:
         graphs (how their padding is tested here); False never. huge_pages: on the CPU, the
         weights and the KV pool live in transparent huge pages (device/host_memory.py).
         max_model_len: the context length asked for (None: the model's), which sizes the auto
-        KV budget."""
+        KV budget. mtp_drafts: draft tokens a step from a DeepSeek-V3 MTP layer (a chain)."""
         # The driver (rank 0) samples and keeps results; the other ranks run the same calls in
         # the same order (their parts of the collectives) and keep nothing.
         self.driver = driver
@@ -91,7 +92,7 @@ class ModelRunner:
             self._capture_step_program(step_program and device.type == "cpu")
         self.sampler = Sampler()
         self.states: dict[str, SamplerState] = {}
-        self.drafter = self._drafter(speculative, ngram_speculation)
+        self.drafter = self._drafter(speculative, ngram_speculation, mtp_drafts)
         # Requests that carry a predicted output draft from it instead (prediction_drafter.py).
         self.predictions = PredictionDrafter(lambda rid: self.states[rid].output_token_ids)
         # Constrained decoding: the engine hands its compiler over (use_grammars); bitmasks
@@ -122,6 +123,7 @@ class ModelRunner:
             ngram_speculation=config.ngram_speculation,
             huge_pages=config.huge_pages,
             max_model_len=config.scheduler.max_model_len,
+            mtp_drafts=config.mtp_drafts,
         )
 
     def _gather_weights(self) -> None:
@@ -186,14 +188,21 @@ class ModelRunner:
         else:
             logger.info("decode steps run as one captured program (layers/step_program.py)")
 
-    def _drafter(self, mtp: bool, ngram: int) -> MTPDrafter | NgramDrafter | None:
+    def _drafter(
+        self, mtp: bool, ngram: int, mtp_drafts: int = 1
+    ) -> MTPDrafter | NgramDrafter | None:
         """Speculative decoding: prompt lookup when asked for (ngram draft tokens a step), else
-        the model's MTP layer when it has one and `mtp` is on, else none."""
+        the model's MTP layer (a chain of mtp_drafts) when it has one and `mtp` is on, else
+        none."""
         if ngram:
             logger.info("speculative decoding: prompt lookup, up to %d draft tokens a step", ngram)
             return NgramDrafter(ngram, self._history)
         if mtp and getattr(self.model, "mtp", None) is not None:
-            return MTPDrafter(self.model, self.kv_caches)
+            if mtp_drafts > 1:
+                logger.info(
+                    "speculative decoding: MTP, a chain of %d draft tokens a step", mtp_drafts
+                )
+            return MTPDrafter(self.model, self.kv_caches, mtp_drafts, self.block_size)
         return None
 
     def _history(self, req_id: str) -> list[int]:

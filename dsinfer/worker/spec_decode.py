@@ -30,9 +30,9 @@ import dataclasses
 import torch
 
 from dsinfer.distributed.comm import share_with_stage
-from dsinfer.worker.input_batch import ModelInput
+from dsinfer.worker.input_batch import ModelInput, build_model_input
 from dsinfer.worker.sampler import Sampler, SamplerState
-from dsinfer.worker.step_io import ModelRunnerOutput
+from dsinfer.worker.step_io import ModelRunnerOutput, ScheduledSeq
 from dsinfer.worker.token_draw import skip_draws
 
 
@@ -156,11 +156,22 @@ def _verify_constrained(logits, s, first, result, st, sampler) -> None:  # noqa:
 
 
 class MTPDrafter:
-    """One draft token per request per step from a DeepSeek-V3 MTP layer."""
+    """Draft tokens from a DeepSeek-V3 MTP layer: one per request per step, or a chain of
+    `num_drafts`. The MTP layer predicts token i+2 from the main model's state at i and token
+    i+1; a chained step feeds it its own (un-normed) output and the draft it just made, one
+    position on (as vLLM chains a depth-1 MTP layer). A chained step writes the MTP layer's
+    KV one slot past the step's last verified token, so the scheduler holds `lookahead`
+    slots past a decode's rows where the pool has them (where it has not, the chain is
+    shorter); the next step's rows rewrite those slots with the verified tokens."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_caches: list, num_drafts: int = 1, block_size: int = 16
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.num_drafts = num_drafts
+        self.block_size = block_size
+        self.lookahead = num_drafts - 1  # KV slots past a decode's rows a chain writes
 
     @torch.inference_mode()
     def propose(
@@ -177,7 +188,7 @@ class MTPDrafter:
             result.sampled, result.bonus = shared
         next_ids = inp.input_ids.roll(-1).clone()  # row r → token r+1 (fixed up per seq below)
         draft_rows: list[int] = []
-        draft_reqs: list[str] = []
+        drafted: list[ScheduledSeq] = []
         for s, last in zip(inp.seqs, inp.last_rows, strict=True):
             if s.req_id in result.sampled:
                 verified = [result.sampled[s.req_id], *result.bonus.get(s.req_id, [])]
@@ -186,15 +197,53 @@ class MTPDrafter:
                     next_ids[base + j] = tok
                 if s.req_id in wants_draft:
                     draft_rows.append(base + len(verified) - 1)
-                    draft_reqs.append(s.req_id)
+                    drafted.append(s)
             elif s.next_token_id is not None:
                 next_ids[last] = s.next_token_id
-        h = self.model.mtp_hidden(next_ids, hidden, inp.positions, self.kv_caches, inp.meta)
+        h, state = self.model.mtp_hidden(next_ids, hidden, inp.positions, self.kv_caches, inp.meta)
         if not draft_rows:
             return
-        logits = self.model.compute_logits(h[torch.tensor(draft_rows)])  # [R, V]
-        for rid, tok in zip(draft_reqs, logits.argmax(dim=-1).tolist(), strict=True):
-            result.drafts[rid] = [int(tok)]
+        rows = torch.tensor(draft_rows)
+        tokens = self.model.compute_logits(h[rows]).argmax(dim=-1).tolist()  # [R]
+        for s, tok in zip(drafted, tokens, strict=True):
+            result.drafts[s.req_id] = [int(tok)]
+        positions = inp.positions[rows].tolist()  # of the rows that made the first drafts
+        self._chain(drafted, positions, tokens, state[rows], result)
+
+    def _chain(
+        self,
+        seqs: list[ScheduledSeq],
+        positions: list[int],
+        tokens: list[int],
+        state: torch.Tensor,
+        result: ModelRunnerOutput,
+    ) -> None:
+        """Drafts 2..num_drafts: step k feeds draft k−1 and the previous step's state at
+        position (the first draft's row) + k − 1, as a decode row of the MTP layer alone."""
+        for k in range(1, self.num_drafts):
+            # A chain goes on while the request's blocks hold the slot it writes.
+            keep = [
+                i
+                for i, (s, p) in enumerate(zip(seqs, positions, strict=True))
+                if p + k < len(s.block_table) * self.block_size
+            ]
+            if not keep:
+                return
+            rows = [
+                ScheduledSeq(
+                    seqs[i].req_id, [tokens[i]], positions[i] + k, seqs[i].block_table, False
+                )
+                for i in keep
+            ]
+            step = build_model_input(rows, self.block_size, state.device)
+            h, state = self.model.mtp_hidden(
+                step.input_ids, state[keep], step.positions, self.kv_caches, step.meta
+            )
+            tokens = self.model.compute_logits(h).argmax(dim=-1).tolist()
+            seqs = [seqs[i] for i in keep]
+            positions = [positions[i] for i in keep]
+            for s, tok in zip(seqs, tokens, strict=True):
+                result.drafts[s.req_id].append(int(tok))
 
     def forget(self, req_id: str) -> None:
         """Nothing kept per request."""

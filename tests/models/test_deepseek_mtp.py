@@ -286,3 +286,116 @@ def test_constrained_sampled_drafts_verify_like_plain_sampling(mtp_path):
             words = [f"w{t}" for t in o.outputs[0].token_ids if t not in eos]
             assert re.fullmatch(regex, "".join(words)), words
     assert_pool_clean(llm.engine)
+
+
+@pytest.mark.parametrize("params", [GREEDY, *SAMPLED], ids=["greedy", "top_p", "penalties"])
+def test_chained_mtp_drafts_give_the_tokens_without_mtp(mtp_path, params):
+    """A chain of three MTP drafts a step (the layer fed its own output and draft): each is
+    verified exactly, so greedy and seeded sampled outputs equal MTP off's; three drafts are
+    verified a step, the lookahead slots they write go back with the request."""
+    on, off = _llm(mtp_path, mtp_drafts=3), _llm(mtp_path, mtp=False)
+    assert on.engine.executor.runner.drafter.lookahead == 2 and on.engine.scheduler.lookahead == 2
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got, ref = on.generate(prompts, params), off.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    drafted = sum(o.metrics.num_draft_tokens for o in got)
+    steps = sum(len(o.outputs[0].token_ids) for o in got)
+    assert drafted > 2 * steps // 2, "most decode steps verify a chain of three"
+    assert_pool_clean(on.engine)
+
+
+def test_chained_drafts_in_a_small_pool_shorten_instead_of_preempting(mtp_path):
+    """Where the pool has no block for the lookahead, the chain is shorter (or a draft alone):
+    the outputs stay MTP off's and no request is preempted for a lookahead slot."""
+    small = LLM(str(mtp_path), dtype="float32", num_blocks=22, block_size=4, mtp_drafts=4)
+    off = _llm(mtp_path, mtp=False)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got, ref = small.generate(prompts, GREEDY), off.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert_pool_clean(small.engine)
+
+
+@torch.inference_mode()
+def test_the_chained_drafts_match_a_reference_computation(mtp_dir):
+    """The second and third drafts after prefill, recomputed with transformers' modules: the
+    MTP layer's un-normed output at the previous position with the previous draft's
+    embedding, one position on, attending to the prompt's MTP states and the chain's own."""
+    path, model, twin, mtp = mtp_dir
+    prompt = PROMPTS[2]
+    llm = _llm(path, mtp_drafts=3)
+    runner = llm.engine.executor.runner
+    seen: list[dict] = []
+    original = runner.drafter.propose
+
+    def record(inp, hidden, result, wants, driver=True):  # noqa: ANN001, ANN202
+        original(inp, hidden, result, wants, driver)
+        seen.append({k: list(v) for k, v in result.drafts.items()})
+
+    runner.drafter.propose = record
+    heads: list[torch.Tensor] = []  # what the drafter hands the LM head: first, then chained
+    logits_of = runner.model.compute_logits
+
+    def recorded(h: torch.Tensor) -> torch.Tensor:
+        heads.append(h.clone())
+        return logits_of(h)
+
+    runner.model.compute_logits = recorded
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=2))
+    first = out[0].outputs[0].token_ids[0]
+    d1, d2, d3 = next(iter(seen[0].values()))
+    chained = heads[2:4]  # after the prefill's sampled row and the first draft's row
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + V3.get("rms_norm_eps", 1e-6)) * w
+
+    m = "model.layers.3."
+    layer = twin.model.layers[3]
+
+    def mtp_layer(x: torch.Tensor) -> torch.Tensor:  # [1, T, H] under a causal mask
+        t = x.shape[1]
+        pos = torch.arange(t).unsqueeze(0)
+        causal = torch.full((t, t), float("-inf")).triu(1).view(1, 1, t, t)
+        y = layer(
+            x,
+            attention_mask=causal,
+            position_ids=pos,
+            position_embeddings=twin.model.rotary_emb(x, pos),
+        )
+        return y[0] if isinstance(y, tuple) else y
+
+    def head(y: torch.Tensor) -> int:
+        return int((rms(y, mtp[m + "shared_head.norm.weight"]) @ model.lm_head.weight.t()).argmax())
+
+    def mix(e: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([rms(e, mtp[m + "enorm.weight"]), rms(h, mtp[m + "hnorm.weight"])], dim=-1)
+        return x @ mtp[m + "eh_proj.weight"].t()
+
+    ids = torch.tensor([prompt])
+    h = model.model(input_ids=ids).last_hidden_state  # [1, T, H]
+    x = mix(model.model.embed_tokens(torch.tensor([prompt[1:] + [first]])), h)
+    y = mtp_layer(x)
+    assert head(y[0, -1]) == d1
+    # Chained: the first draft's embedding and the layer's own un-normed output, one on.
+    x2 = torch.cat([x, mix(model.model.embed_tokens(torch.tensor([[d1]])), y[:, -1:])], dim=1)
+    y2 = mtp_layer(x2)[0, -1]
+    assert head(y2) == d2
+    want = rms(y2, mtp[m + "shared_head.norm.weight"])  # the state the LM head reads
+    torch.testing.assert_close(chained[0][0], want, atol=1e-4, rtol=1e-4)
+    # The third: the second's embedding and the layer's un-normed output there, one more on.
+    x4 = torch.cat([x2, mix(model.model.embed_tokens(torch.tensor([[d2]])), y2.view(1, 1, -1))], 1)
+    y4 = mtp_layer(x4)[0, -1]
+    assert head(y4) == d3
+    torch.testing.assert_close(
+        chained[1][0], rms(y4, mtp[m + "shared_head.norm.weight"]), atol=1e-4, rtol=1e-4
+    )
+    # Fed back normed (the state the head reads) instead, the chain's state would differ.
+    normed = rms(y[:, -1:], mtp[m + "shared_head.norm.weight"])
+    x3 = torch.cat([x, mix(model.model.embed_tokens(torch.tensor([[d1]])), normed)], dim=1)
+    assert (mtp_layer(x3)[0, -1] - y2).abs().max() > 1e-2
+
+
+def test_mtp_drafts_out_of_range_are_refused(mtp_path):
+    with pytest.raises(
+        ValueError, match="mtp_drafts: draft tokens a step from the MTP layer must be 1 to 8"
+    ):
+        _llm(mtp_path, mtp_drafts=9)
