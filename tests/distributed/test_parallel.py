@@ -36,6 +36,14 @@ def test_tp2_greedy_equals_single_process_with_preemption(tmp_path):
         tp.shutdown()
 
 
+def _small_pool(path) -> EngineConfig:  # noqa: ANN001
+    """fp32, 14 blocks of 4 tokens for ~100 tokens of 4 sequences: preempts."""
+    cache = CacheConfig(block_size=4, num_blocks=14)
+    return EngineConfig(
+        model=str(path), dtype="float32", cache=cache, scheduler=SchedulerConfig(max_num_seqs=4)
+    )
+
+
 def _with_tp(config: EngineConfig, n: int) -> EngineConfig:
     import dataclasses
 
@@ -187,13 +195,7 @@ def test_ep2_deepseek_v3_greedy_equals_single_process_with_preemption(tmp_path):
             layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
     model.save_pretrained(tmp_path / "v3")
     _tokenizer_files(tmp_path / "v3")
-    cache = CacheConfig(block_size=4, num_blocks=14)
-    config = EngineConfig(
-        model=str(tmp_path / "v3"),
-        dtype="float32",
-        cache=cache,
-        scheduler=SchedulerConfig(max_num_seqs=4),
-    )
+    config = _small_pool(tmp_path / "v3")
     ref = _generate(LLMEngine(config))
     ep = LLMEngine(dataclasses.replace(config, expert_parallel=2))
     try:
@@ -237,13 +239,7 @@ def test_tp2_deepseek_v32_greedy_equals_single_process_with_preemption(tmp_path)
 
     tiny_deepseek_v32().save_pretrained(tmp_path / "v32")
     write_tiny_tokenizer(tmp_path / "v32")
-    cache = CacheConfig(block_size=4, num_blocks=14)
-    config = EngineConfig(
-        model=str(tmp_path / "v32"),
-        dtype="float32",
-        cache=cache,
-        scheduler=SchedulerConfig(max_num_seqs=4),
-    )
+    config = _small_pool(tmp_path / "v32")
     ref = _generate(LLMEngine(config))
     tp = LLMEngine(_with_tp(config, 2))
     try:
