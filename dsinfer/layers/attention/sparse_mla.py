@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer.layers.attention.backend import AttentionMetadata, PrefillSeq
+from dsinfer.layers.attention.fused_cpu import FusedCpuMLAAttention
 from dsinfer.layers.attention.mla import MLAPagedAttention
 from dsinfer.layers.attention.registry import register_attention
 from dsinfer.layers.rotary import StepRope
@@ -118,6 +119,9 @@ class SparseMLAPagedAttention(MLAPagedAttention):
             fits = (~padding).sum(dim=1, keepdim=True) <= self.index_topk
             mask = (padding | (unselected & ~fits)).view_as(mask)
             meta = dataclasses.replace(meta, decode_mask=mask)
+            # The reference's absorbed decode: it reads decode_mask (a fused kernel that
+            # takes the sequences' lengths only would attend to every token).
+            return MLAPagedAttention._absorbed(self, q_nope, q_pe, cache, kv_b, meta)
         return super()._absorbed(q_nope, q_pe, cache, kv_b, meta)
 
     def _naive_decode(self, q_nope, q_pe, cache, kv_b, meta) -> torch.Tensor:  # noqa: ANN001
@@ -146,3 +150,12 @@ class SparseMLAPagedAttention(MLAPagedAttention):
         q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1)  # [H, Q, nope + rope]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         return out.transpose(0, 1)  # [Q, H, v]
+
+
+@register_attention("fused", "cpu", "mla_sparse")
+class FusedCpuSparseMLAAttention(SparseMLAPagedAttention, FusedCpuMLAAttention):
+    """The sparse attention on the fused CPU backend: while a step's contexts fit in
+    index_topk (every selection keeps everything: up to 2,048 tokens for V3.2) it is the fused
+    MLA path, rotary and latent write in one kernel and the latent-space decode kernel; the
+    expansion and chunked attention of prefill are fused MLA's too. Past index_topk a decode
+    row's selection masks the reference's absorbed decode."""
