@@ -65,14 +65,13 @@ class Indexer(nn.Module):
         t = x.shape[0]
         q = self.wq_b(q_latent).view(t, self.heads, self.dim)
         k = self.k_norm(self.wk(x)).unsqueeze(1)  # [T, 1, D]
-        q = torch.cat(
-            [apply_rotary(q[..., : self.rope_dim], rope.cos, rope.sin), q[..., self.rope_dim :]], -1
-        )
-        k = torch.cat(
-            [apply_rotary(k[..., : self.rope_dim], rope.cos, rope.sin), k[..., self.rope_dim :]], -1
-        )
         w = self.weights_proj(x.float()) * self.heads**-0.5  # [T, heads], fp32
-        return IndexQuery(q=q, w=w, k=k.squeeze(1))
+        return IndexQuery(q=self._rotate(q, rope), w=w, k=self._rotate(k, rope).squeeze(1))
+
+    def _rotate(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """[T, heads, D] with rotary on its first rope dims (half-split, not interleaved)."""
+        head, tail = x[..., : self.rope_dim], x[..., self.rope_dim :]
+        return torch.cat([apply_rotary(head, rope.cos, rope.sin), tail], dim=-1)
 
 
 class MLA(nn.Module):

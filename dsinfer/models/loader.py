@@ -7,6 +7,7 @@ plus one tensor, never two copies of the model.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -107,24 +108,19 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise ValueError(f"no *.safetensors files in {path}; convert .bin checkpoints first")
     quant = checkpoint_quantization(path)
-    tensors = _read_safetensors(path, files)
     if quant is None:
-        yield from tensors
+        yield from _read_safetensors(path, files)
         return
-    where = {n: fname for fname in files for n in _names(path / fname)}
+    # A weight's scales may sit in another shard: every shard open once, for the whole read.
+    with contextlib.ExitStack() as stack:
+        shards = [stack.enter_context(safe_open(str(path / f), framework="pt")) for f in files]
+        where = {name: shard for shard in shards for name in shard.keys()}
+        tensors = ((name, shard.get_tensor(name)) for shard in shards for name in shard.keys())
 
-    def read(name: str) -> torch.Tensor | None:
-        if name not in where:
-            return None
-        with safe_open(str(path / where[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        def read(name: str) -> torch.Tensor | None:
+            return where[name].get_tensor(name) if name in where else None
 
-    yield from dequantized(tensors, read, quant)
-
-
-def _names(file: Path) -> list[str]:
-    with safe_open(str(file), framework="pt") as f:
-        return list(f.keys())
+        yield from dequantized(tensors, read, quant)
 
 
 def _read_safetensors(path: Path, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

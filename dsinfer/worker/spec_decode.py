@@ -171,7 +171,11 @@ class MTPDrafter:
         self.kv_caches = kv_caches
         self.num_drafts = num_drafts
         self.block_size = block_size
-        self.lookahead = num_drafts - 1  # KV slots past a decode's rows a chain writes
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots past a sampling row's last token that a chain writes."""
+        return self.num_drafts - 1
 
     @torch.inference_mode()
     def propose(

@@ -107,11 +107,17 @@ class MLAPagedAttention(AttentionBackend):
 
     def _naive(self, q_nope, q_pe, ctx, kv_b, num_before: int) -> torch.Tensor:  # noqa: ANN001
         """One sequence: q [Q, H, ·], ctx [C, lora + rope] → [Q, H, v]."""
+        q, k, v = self._heads(q_nope, q_pe, ctx, kv_b)
+        return self._attend(q, k, v, num_before).transpose(0, 1)  # [Q, H, v]
+
+    def _heads(self, q_nope, q_pe, ctx, kv_b) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        """One sequence's queries [Q, H, ·] and latents ctx [C, lora + rope] as every head's
+        fp32 q [H, Q, nope + rope], k [H, C, nope + rope] and v [H, C, v]."""
         c, k_pe = ctx[:, : self.lora].float(), ctx[:, self.lora :].float()
         k_nope, v = self._expand(c, kv_b)  # [H, C, nope], [H, C, v]
         k = torch.cat([k_nope, k_pe.unsqueeze(0).expand(self.h, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1)  # [H, Q, nope + rope]
-        return self._attend(q, k, v, num_before).transpose(0, 1)  # [Q, H, v]
+        return q, k, v
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_before: int

@@ -144,10 +144,7 @@ class SparseMLAPagedAttention(MLAPagedAttention):
         top = scores.masked_fill(~causal, float("-inf")).topk(self.index_topk, dim=-1)
         selected = torch.zeros_like(causal).scatter(1, top.indices, True)
         allowed = causal & (selected | (qpos < self.index_topk))  # fits: the whole context
-        c, k_pe = ctx[:, : self.lora].float(), ctx[:, self.lora :].float()
-        k_nope, v = self._expand(c, kv_b)  # [H, C, nope], [H, C, v]
-        k = torch.cat([k_nope, k_pe.unsqueeze(0).expand(self.h, -1, -1)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1)  # [H, Q, nope + rope]
+        q, k, v = self._heads(q_nope, q_pe, ctx, kv_b)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
         return out.transpose(0, 1)  # [Q, H, v]
 
