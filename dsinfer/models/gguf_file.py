@@ -17,9 +17,13 @@ import numpy as np
 import torch
 
 from dsinfer.config import ModelConfig, RopeConfig
+from dsinfer.models import gguf_deepseek
 from dsinfer.models.gguf_reader import GGUFFile
+from dsinfer.models.registry import config_from_hf
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Architectures whose metadata is read as the HF config it came from (their own module).
+_HF_CONFIG = {gguf_deepseek.ARCH: gguf_deepseek.hf_config}
 _SUPPORTED_QTYPES = {
     "F32",
     "F16",
@@ -77,8 +81,11 @@ def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
 
 def config_from_gguf(reader: GGUFFile) -> ModelConfig:
     arch = field_value(reader, "general.architecture")
+    if arch in _HF_CONFIG:
+        return config_from_hf(_HF_CONFIG[arch](reader))
     if arch not in _ARCH:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCH)}")
+        supported = sorted([*_ARCH, *_HF_CONFIG])
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
 
     def get(k: str, default: Any = None) -> Any:
         return field_value(reader, f"{arch}.{k}", default)
@@ -121,12 +128,14 @@ def permuted_heads(name: str, cfg: ModelConfig) -> int | None:
 
 
 def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor that maps one to one (every architecture's names are
+    distinct), or None."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
+    return gguf_deepseek.hf_layer_name(gguf_name)
 
 
 # GGUF block types our weight-only layouts hold without loss of the grid: Q4_0/Q4_1 are 4-bit
@@ -136,14 +145,21 @@ _NATIVE_SCHEME = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
 
 def native_scheme(reader: GGUFFile) -> str:
     """The weight-only scheme matching this GGUF's projection weights (int4 | int8), or
-    "none" when they are float or of mixed or other types. The token embedding is left out:
-    it is looked up, not multiplied."""
-    kinds = {
-        _NATIVE_SCHEME.get(t.tensor_type.name, "none")
-        for t in reader.tensors
-        if len(t.shape) == 2 and t.name != "token_embd.weight"
-    }
+    "none" when they are float or of mixed or other types. Left out: the token embedding (it
+    is looked up, not multiplied), the LM head (int8 under int4 whatever the file holds;
+    llama.cpp's Q4 files keep it Q6_K), MoE routers (llama.cpp keeps them F32) and float
+    matrices beside quantised ones (llama.cpp leaves those whose rows are not whole blocks)."""
+    kinds = set()
+    for t in reader.tensors:
+        if len(t.shape) < 2 or t.name in _NOT_PROJECTIONS or ".ffn_gate_inp." in t.name:
+            continue
+        if t.tensor_type.name not in _FLOAT_TYPES:
+            kinds.add(_NATIVE_SCHEME.get(t.tensor_type.name, "none"))
     return kinds.pop() if len(kinds) == 1 else "none"
+
+
+_NOT_PROJECTIONS = frozenset({"token_embd.weight", "output.weight"})
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
 # Bytes per block of 32 weights: fp16 scale (and fp16 minimum for Q4_1), then the codes.
@@ -179,8 +195,28 @@ def _fast_dequantize(data: np.ndarray, qname: str) -> torch.Tensor | None:
 def iter_gguf_tensors(
     reader: GGUFFile, cfg: ModelConfig, skip: frozenset[str] | set[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF-style name, fp32 tensor) one at a time, so only one dequantised copy is live;
-    tensors named in `skip` (GGUF names, loaded another way) are left out."""
+    """Yield (HF-style name, fp32 tensor) one at a time, so only one dequantised copy is live
+    (a stack of routed experts is one tensor); tensors named in `skip` (GGUF names, loaded
+    another way) are left out."""
+    tensors = _dequantised(reader, skip)
+    if cfg.mla is not None:  # DeepSeek-V2/V3: experts stacked, kv_b split (gguf_deepseek.py)
+        named = gguf_deepseek.hf_tensors(tensors, cfg, hf_name)
+    else:
+        named = ((hf_name(n), n, w) for n, w in tensors)
+    for name, gguf_name, w in named:
+        if name is None:
+            raise ValueError(
+                f"unexpected GGUF tensor {gguf_name!r}; this GGUF has tensors dsinfer "
+                f"does not know for {cfg.architecture}"
+            )
+        heads = permuted_heads(name, cfg)
+        yield name, w if heads is None else unpermute_rows(w, heads)
+
+
+def _dequantised(
+    reader: GGUFFile, skip: frozenset[str] | set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(GGUF name, fp32 tensor in torch's dim order) for every tensor not in `skip`."""
     for t in reader.tensors:
         if t.name in skip:
             continue
@@ -190,12 +226,6 @@ def iter_gguf_tensors(
                 f"GGUF tensor {t.name} uses quantisation {qname}, which dsinfer "
                 f"cannot dequantise; supported: {sorted(_SUPPORTED_QTYPES)}"
             )
-        name = hf_name(t.name)
-        if name is None:
-            raise ValueError(
-                f"unexpected GGUF tensor {t.name!r}; this GGUF has tensors dsinfer "
-                f"does not know for {cfg.architecture}"
-            )
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
         w = _fast_dequantize(t.data, qname)
         if w is None:
@@ -204,6 +234,4 @@ def iter_gguf_tensors(
             if not arr.flags.writeable:  # F32 tensors come back as a read-only view of the mmap
                 arr = arr.copy()
             w = torch.from_numpy(arr)
-        w = w.reshape(shape)
-        heads = permuted_heads(name, cfg)
-        yield name, w if heads is None else unpermute_rows(w, heads)
+        yield t.name, w.reshape(shape)

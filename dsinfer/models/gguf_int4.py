@@ -4,9 +4,11 @@ GGUF's 4-bit blocks are our int4 groups of 32: a Q4_1 block is x = d·q + m, whi
 (q − 8)·d + (m + 8d), our (q − 8)·scale + zero with scale = d and zero = m + 8d; a Q4_0 block
 is x = d·(q − 8), zero = 0. So the codes are packed for the kernel as they are, and only d and
 m are converted (fp16 → the activation dtype of the scales). The fused projections (q|k|v,
-gate|up) are packed once all their checkpoint shards have arrived. Everything else (norms,
-the embedding, a layer whose format is not int4) is dequantised and loaded as before, then
-quantised as `dsinfer compile` would (the LM head to int8).
+gate|up) are packed once all their checkpoint shards have arrived. DeepSeek's routed experts
+(one [E, out, in] stack per projection, gguf_deepseek.py) are packed the same way, expert by
+expert, when all their stacks are Q4. Everything else (norms, the embedding, a layer or expert
+stack whose format is not Q4) is dequantised and loaded as before, then quantised as
+`dsinfer compile` would (the LM head to int8; experts left float to their planned format).
 """
 
 from __future__ import annotations
@@ -19,9 +21,18 @@ from torch import nn
 
 from dsinfer.config import ModelConfig
 from dsinfer.layers.linear import Linear, fused_target
-from dsinfer.layers.quant import apply_format, plan_formats, quant_method, quantizable_linears
+from dsinfer.layers.moe import RoutedExperts
+from dsinfer.layers.quant import (
+    apply_format,
+    experts_method,
+    plan_formats,
+    quant_method,
+    quantizable_linears,
+    routed_experts,
+)
+from dsinfer.models.gguf_deepseek import expert_stacks
 from dsinfer.models.gguf_file import hf_name, permuted_heads, q4_codes, unpermute_rows
-from dsinfer.models.gguf_reader import GGUFFile
+from dsinfer.models.gguf_reader import GGUFFile, GGUFTensor
 
 logger = logging.getLogger(__name__)
 GROUP = 32
@@ -64,16 +75,78 @@ def pack_gguf_int4(
             _pack(layer, pending.pop(module), dtype)
     if pending:
         raise ValueError(f"GGUF lacks shards of {sorted(pending)}: incomplete checkpoint")
+    return direct | _pack_experts(net, reader, formats, dtype)
+
+
+def _pack_experts(
+    net: nn.Module, reader: GGUFFile, formats: dict[str, str], dtype: torch.dtype
+) -> set[str]:
+    """Every int4-format stack of routed experts whose GGUF stacks are all Q4, packed expert
+    by expert; the GGUF names consumed."""
+    stacks = expert_stacks(reader)
+    direct: set[str] = set()
+    for name, experts in routed_experts(net):
+        found = stacks.get(name)
+        if formats.get(name, "int4") != "int4" or found is None:
+            continue
+        if any(t.tensor_type.name not in ("Q4_0", "Q4_1") for t in found.values()):
+            continue
+        _pack_expert_stacks(experts, found, dtype)
+        direct.update(t.name for t in found.values())
     return direct
 
 
+def _pack_expert_stacks(
+    experts: RoutedExperts, found: dict[str, GGUFTensor], dtype: torch.dtype
+) -> None:
+    """gate | up (w13) and down (w2) stacks → Int4ExpertsMethod's q / sz stacks."""
+    n = experts.num_experts
+
+    def per_expert(t: GGUFTensor) -> list[tuple[torch.Tensor, ...]]:
+        # GGUF dims [in, out, E] innermost first: each expert's rows are `out` consecutive rows.
+        rows = int(t.shape[1])
+        q, scale, zero = q4_blocks(t.data, t.tensor_type.name, rows=rows * n)
+        return [
+            (
+                q[e * rows : (e + 1) * rows],
+                scale[e * rows : (e + 1) * rows],
+                zero[e * rows : (e + 1) * rows],
+            )
+            for e in range(n)
+        ]
+
+    if "gate_up" in found:
+        w13 = per_expert(found["gate_up"])
+    else:
+        gate, up = per_expert(found["gate"]), per_expert(found["up"])
+        w13 = [
+            tuple(torch.cat([g[i], u[i]]) for i in range(3)) for g, u in zip(gate, up, strict=True)
+        ]
+    method = experts_method("int4", GROUP)
+    experts.set_method(method)
+    for which, parts in (("13", w13), ("2", per_expert(found["down"]))):
+        q = torch.stack([torch._convert_weight_to_int4pack_for_cpu(p[0], 1) for p in parts])
+        sz = torch.stack([torch.stack([p[1].t(), p[2].t()], dim=-1) for p in parts])
+        want = getattr(experts, f"q{which}").shape
+        if tuple(q.shape) != tuple(want):
+            raise ValueError(
+                f"GGUF expert stack {tuple(q.shape)} does not match the model's {tuple(want)}"
+            )
+        getattr(experts, f"q{which}").data = q
+        getattr(experts, f"sz{which}").data = sz.to(dtype).contiguous()
+
+
 def finish_gguf_int4(net: nn.Module, dtype: torch.dtype) -> None:
-    """After the generic load: the layers left float under int4 (the LM head → int8)."""
+    """After the generic load: the layers left float under int4 (the LM head → int8), and
+    expert stacks left float (not Q4 in the file) → their planned format."""
     formats = plan_formats(net, "int4", GROUP)
     for name, layer in quantizable_linears(net):
         fmt = formats.get(name, "int4")
         if fmt == "int8":
             apply_format(layer, fmt, GROUP, dtype)
+    for name, experts in routed_experts(net):
+        if "w13" in experts.method.tensor_names:  # still the float stacks
+            experts_method(formats.get(name, "int4"), GROUP).quantize(experts, dtype)  # type: ignore[attr-defined]
     logger.info("GGUF Q4 weights loaded as int4 without a float copy")
 
 

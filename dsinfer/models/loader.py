@@ -131,8 +131,10 @@ def _read_safetensors(path: Path, files: list[str]) -> Iterator[tuple[str, torch
 
 
 def int4_params(model: nn.Module) -> set[str]:
-    """Names of the int4 parameters already filled (checked off by load_weights)."""
-    return {n for n, p in model.named_parameters() if n.endswith((".qweight", ".scales_zeros"))}
+    """Names of the int4 parameters already filled (checked off by load_weights): Linear
+    layers' and routed experts' stacks."""
+    int4 = (".qweight", ".scales_zeros", ".q13", ".sz13", ".q2", ".sz2")
+    return {n for n, p in model.named_parameters() if n.endswith(int4)}
 
 
 def unsplit() -> bool:

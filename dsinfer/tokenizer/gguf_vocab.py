@@ -50,7 +50,7 @@ def from_gguf(path: Path) -> Tokenizer:
         )
     tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens")
     types: list[int] = field_value(reader, "tokenizer.ggml.token_type")
-    merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
+    merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges", [])]
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
     backend = HFTokenizer(bpe)
     backend.pre_tokenizer = _pre_tokenizer(field_value(reader, "tokenizer.ggml.pre", "default"))

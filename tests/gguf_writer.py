@@ -1,0 +1,203 @@
+"""GGUF files written the way llama.cpp's converter (convert_hf_to_gguf.py) writes them, for
+tests: DeepSeek-V2/V3 checkpoints (`deepseek2`) and BPE vocabularies.
+
+The converter is not on the package registry, so CI cannot run it. This writer follows what
+it does (metadata keys and their meaning, kv_b split into k_b / v_b, experts stacked) using
+the `gguf` package's own writer and tensor-name table, so the names come from llama.cpp's
+side, not from dsinfer's reader. In session 33 its output was checked field by field and
+tensor by tensor against the real converter (llama-cpp-python 0.3.36's vendored tree) on
+the same tiny checkpoints and on the real DeepSeek tokenizers (docs/deepseek.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+ARCH = gguf.MODEL_ARCH.DEEPSEEK2
+# Tensors the converter keeps in F32 whatever the requested type (norms, biases, router).
+_F32_KINDS = ("norm", "ffn_gate_inp", "exp_probs_b")
+
+
+def _hf_state(path: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def _converted_tensors(state: dict[str, torch.Tensor], hp: dict[str, Any]):  # noqa: ANN202
+    """HF name → tensor, as the converter's modify_tensors hands them to its name table:
+    experts stacked per layer, kv_b_proj split into k_b (transposed) and v_b."""
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    for name, w in state.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name and parts[5].isdigit():  # model.layers.B.mlp.experts.E.X.weight
+            experts.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = w
+            continue
+        if name.endswith("kv_b_proj.weight"):
+            heads, nope, v = hp["num_attention_heads"], hp["qk_nope_head_dim"], hp["v_head_dim"]
+            kv_b = w.view(heads, nope + v, w.shape[-1])
+            k_b, v_b = torch.split(kv_b, [nope, v], dim=1)
+            yield name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)
+            yield name.replace("kv_b_proj", "v_b_proj"), v_b
+            continue
+        yield name, w
+    for (block, kind), per_expert in sorted(experts.items()):
+        stack = torch.stack([per_expert[e] for e in range(len(per_expert))])
+        yield f"model.layers.{block}.mlp.experts.{kind}.weight", stack
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, w: torch.Tensor, qtype: str) -> None:
+    arr = w.float().contiguous().numpy()
+    keep_f32 = arr.ndim == 1 or any(k in name for k in _F32_KINDS) or arr.shape[-1] % 32
+    if qtype == "F32" or keep_f32:
+        writer.add_tensor(name, arr)
+        return
+    kind = gguf.GGMLQuantizationType[qtype]
+    writer.add_tensor(name, gguf.quants.quantize(arr, kind), raw_dtype=kind)
+
+
+def write_deepseek2(
+    src: Path, dst: Path, qtype: str = "F32", vocab: list[str] | None = None
+) -> Path:
+    """The HF checkpoint in `src` (written by save_pretrained) → a deepseek2 GGUF at `dst`.
+    qtype: F32, Q8_0, Q4_0 or Q4_1 for the weight matrices whose rows are whole blocks."""
+    hp = json.loads((src / "config.json").read_text())
+    rope = {**(hp.get("rope_scaling") or {}), **(hp.get("rope_parameters") or {})}
+    writer = gguf.GGUFWriter(str(dst), gguf.MODEL_ARCH_NAMES[ARCH])
+    writer.add_context_length(hp["max_position_embeddings"])
+    writer.add_embedding_length(hp["hidden_size"])
+    writer.add_feed_forward_length(hp["intermediate_size"])
+    writer.add_block_count(hp["num_hidden_layers"])
+    writer.add_head_count(hp["num_attention_heads"])
+    writer.add_head_count_kv(1)  # MLA as multi-query attention over the latent
+    writer.add_rope_freq_base(rope.get("rope_theta", hp.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(hp.get("rms_norm_eps", 1e-6))
+    writer.add_expert_count(hp["n_routed_experts"])
+    writer.add_expert_used_count(hp["num_experts_per_tok"])
+    if hp.get("n_group") is not None:
+        writer.add_expert_group_count(hp["n_group"])
+    if hp.get("topk_group") is not None:
+        writer.add_expert_group_used_count(hp["topk_group"])
+    if hp.get("scoring_func") is not None:  # released DeepSeek configs all name it
+        sigmoid = hp["scoring_func"] == "sigmoid"
+        writer.add_expert_gating_func(
+            gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX
+        )
+    writer.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    writer.add_vocab_size(hp["vocab_size"])
+    if hp.get("q_lora_rank"):
+        writer.add_q_lora_rank(hp["q_lora_rank"])
+    lora, rope_dim = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
+    writer.add_kv_lora_rank(lora)
+    writer.add_key_length(lora + rope_dim)
+    writer.add_value_length(lora)
+    writer.add_key_length_mla(hp["qk_nope_head_dim"] + rope_dim)
+    writer.add_value_length_mla(hp["v_head_dim"])
+    writer.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    writer.add_expert_shared_count(hp.get("n_shared_experts", 0))
+    if hp.get("routed_scaling_factor") is not None:
+        writer.add_expert_weights_scale(hp["routed_scaling_factor"])
+    if hp.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(rope_dim)
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (
+            ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+            ("beta_slow", writer.add_rope_scaling_yarn_beta_slow),
+        ):
+            if rope.get(key) is not None:
+                add(rope[key])
+        if rope.get("mscale_all_dim") is not None:
+            writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    _add_word_vocab(writer, vocab or [f"w{i}" for i in range(hp["vocab_size"])])
+    names = gguf.get_tensor_name_map(ARCH, hp["num_hidden_layers"])
+    for hf, w in _converted_tensors(_hf_state(src), hp):
+        # The converter's one rename before its table: V3's bias as a ".bias" suffix.
+        hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert name is not None, f"the gguf package's table has no name for {hf}"
+        _add_tensor(writer, name, w, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def _add_word_vocab(writer: gguf.GGUFWriter, tokens: list[str]) -> None:
+    """The tiny test tokenizer's words as a merge-free BPE vocabulary (tests feed ids)."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def bpe_vocab(tokenizer_dir: Path, vocab_size: int | None = None) -> tuple[list[str], list[int]]:
+    """Tokens and types as the converter's get_vocab_base writes them: every id below the
+    model's vocab size, padding ids as [PADi] (UNUSED), added tokens CONTROL when special, else
+    USER_DEFINED."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"))
+    vocab = tok.get_vocab()
+    size = vocab_size or len(vocab)
+    reverse = {i: t for t, i in vocab.items()}
+    added = tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse[i]
+        if i in added:
+            if not added[i].normalized:
+                token = tok.decode(tok.encode(token, add_special_tokens=False))
+            types.append(
+                gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED
+            )
+        else:
+            types.append(gguf.TokenType.NORMAL)
+        tokens.append(token)
+    return tokens, types
+
+
+def write_vocab_only(tokenizer_dir: Path, pre: str, dst: Path, arch: str = "llama") -> Path:
+    """A vocabulary-only GGUF of a Hugging Face tokenizer (tokenizer.json + its config), as
+    `convert_hf_to_gguf.py --vocab-only` writes it; `pre` is the name the converter's hash
+    table gives that tokenizer."""
+    tokens, types = bpe_vocab(tokenizer_dir)
+    writer = gguf.GGUFWriter(str(dst), arch)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(tokenizer_dir, load_merges=True).add_to_gguf(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return dst
+
+
+def tensor_arrays(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF file, dequantised, in torch's dim order (for comparisons)."""
+    reader = gguf.GGUFReader(str(path))
+    out = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        out[t.name] = np.asarray(arr, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
+    return out

@@ -1,0 +1,176 @@
+"""DeepSeek-V2 / V2-Lite / V3 GGUF files (llama.cpp's `deepseek2`): tiny random checkpoints
+written by transformers, converted as llama.cpp's converter converts them (tests/gguf_writer.py),
+loaded by dsinfer against transformers on the original weights."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from dsinfer import LLM
+from dsinfer.models.gguf_deepseek import hf_config
+from dsinfer.models.gguf_reader import GGUFFile
+from dsinfer.models.loader import read_model_config
+from dsinfer.models.registry import config_from_hf
+from tests.gguf_writer import write_deepseek2
+from tests.helpers import DEEPSEEK_CASES as CASES
+from tests.helpers import DEEPSEEK_COMMON, VOCAB, assert_logits_match, full_logits
+
+# llama.cpp keeps one YaRN magnitude (gguf_deepseek.py): mscale equal to mscale_all_dim, as in
+# every released DeepSeek config.
+COMMON = {**DEEPSEEK_COMMON, "rope_scaling": {**DEEPSEEK_COMMON["rope_scaling"], "mscale": 0.8}}
+
+
+def _tiny(case: str, **overrides: int):  # noqa: ANN202
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+    )
+
+    version, extra = CASES[case]
+    # config.json names its scoring function, as every released DeepSeek config does (the
+    # converter writes expert_gating_func from it).
+    scoring = "sigmoid" if version == "v3" else "softmax"
+    hp = {**COMMON, **extra, "scoring_func": scoring, **overrides}
+    torch.manual_seed(3)
+    if version == "v2":
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**hp))
+    else:
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**hp))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # routing that matters: a random router, and a real V3 bias
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
+            if version == "v3":
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3, generator=g)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def converted(request, tmp_path_factory):
+    """(case, transformers model, its checkpoint directory, its F32 GGUF)."""
+    model = _tiny(request.param)
+    src = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(src)
+    return request.param, model, src, write_deepseek2(src, src / "model.gguf")
+
+
+def test_the_config_read_from_gguf_is_the_checkpoints(converted):
+    """Every field the model is built from equals what config.json gives, except those the
+    GGUF cannot hold (the checkpoint's dtype)."""
+    _, _, src, path = converted
+    import json
+
+    want = config_from_hf(json.loads((src / "config.json").read_text()))
+    got = read_model_config(path)
+    assert got.architecture == want.architecture
+    assert got.mla == want.mla and got.moe == want.moe and got.rope == want.rope
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert (got.head_dim, got.tie_word_embeddings) == (want.head_dim, want.tie_word_embeddings)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_f32_gguf_logits_match_transformers(converted, backend):
+    _, model, _, path = converted
+    llm = LLM(str(path), backend=backend, dtype="float32", num_blocks=64, block_size=4)
+    assert_logits_match(llm, model, (1, 9, 40), VOCAB, 1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_gguf_packs_its_experts_as_they_are(qtype, tmp_path):
+    """A Q4 file on the direct int4 path: routed experts packed from the file's blocks (experts
+    of 32 rows, which the int4 kernel takes), the rest float or int8 as planned; it computes
+    what the same file computes dequantised to floats, within the kernels' bf16 arithmetic."""
+    model = _tiny("v3", moe_intermediate_size=32)
+    model.save_pretrained(tmp_path)
+    path = write_deepseek2(tmp_path, tmp_path / "q4.gguf", qtype=qtype)
+    opts = dict(dtype="bfloat16", num_blocks=64, block_size=4)
+    direct = LLM(str(path), quantization="auto", **opts)
+    layers = direct.engine.executor.runner.model.model.layers
+    assert all(hasattr(layer.mlp.experts, "q13") for layer in layers[1:])
+    assert hasattr(layers[0].mlp.gate_up_proj, "qweight")  # the dense MLP: Q4 in the file
+    ids = list(range(5, 30))
+    got = full_logits(direct.engine, ids).float()
+    del direct
+    want = full_logits(LLM(str(path), quantization="none", **opts).engine, ids).float()
+    assert (got - want).abs().max().item() < 0.03 * want.abs().max().item()
+    assert got.argmax(-1).eq(want.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_experts_the_file_keeps_float_are_quantised_after_loading(converted, tmp_path):
+    """Experts of 24 rows: llama.cpp leaves the down stacks F32 (rows are not whole blocks),
+    the int4 kernel does not take them either, so the stacks load float and end int8."""
+    _, _, src, _ = converted
+    path = write_deepseek2(src, tmp_path / "q4.gguf", qtype="Q4_0")
+    llm = LLM(str(path), quantization="auto", dtype="bfloat16", num_blocks=64, block_size=4)
+    experts = llm.engine.executor.runner.model.model.layers[1].mlp.experts
+    assert type(experts.method).__name__ == "Int8ExpertsMethod"
+    assert llm.generate([{"prompt_token_ids": [5, 6, 7]}])[0].outputs[0].token_ids
+
+
+def test_legacy_files_with_kv_b_whole_load_the_same(converted, tmp_path):
+    """Files converted before llama.cpp split kv_b (attn_kv_b kept whole, no *_mla lengths:
+    key_length is nope + rope, value_length v) give the same config and logits."""
+    _, model, _, path = converted
+    legacy = tmp_path / "legacy.gguf"
+    _rewrite_legacy(path, legacy, model.config)
+    assert read_model_config(legacy) == read_model_config(path)
+    llm = LLM(str(legacy), dtype="float32", num_blocks=64, block_size=4)
+    assert_logits_match(llm, model, (9,), VOCAB, 1e-4)
+
+
+def _rewrite_legacy(src, dst, hf) -> None:  # noqa: ANN001
+    """src with k_b / v_b joined back into attn_kv_b and the metadata of older converters."""
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), "deepseek2")
+    skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture"}
+    for key, field in reader.fields.items():
+        if key in skip or key.endswith(("key_length_mla", "value_length_mla")):
+            continue
+        value = field.contents()
+        if key.endswith("attention.key_length"):
+            value = hf.qk_nope_head_dim + hf.qk_rope_head_dim
+        elif key.endswith("attention.value_length"):
+            value = hf.v_head_dim
+        elif key.endswith("attention.head_count_kv"):
+            value = hf.num_attention_heads
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for t in reader.tensors:
+        shape = tuple(reversed(t.shape.tolist()))
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if kind not in ("attn_k_b", "attn_v_b"):
+            writer.add_tensor(t.name, arr)
+            continue
+        block = t.name.split(".")[1]
+        halves.setdefault(block, {})[kind] = torch.from_numpy(arr.copy())
+        if len(halves[block]) == 2:
+            pair = halves.pop(block)
+            # k_b [H, rank, nope] → [H, nope, rank]; then v_b [H, v, rank]: kv_b as HF has it
+            kv_b = torch.cat([pair["attn_k_b"].transpose(1, 2), pair["attn_v_b"]], dim=1)
+            writer.add_tensor(f"blk.{block}.attn_kv_b.weight", kv_b.flatten(0, 1).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unknown_gating_and_missing_halves_are_refused(converted):
+    from dsinfer.models.gguf_deepseek import hf_tensors
+
+    _, _, _, path = converted
+    reader = GGUFFile(path)
+    reader.fields["deepseek2.expert_gating_func"] = 3  # llama.cpp's sqrt-softplus: not DeepSeek
+    with pytest.raises(ValueError, match="gating function 3"):
+        hf_config(reader)
+    cfg = read_model_config(path)
+    only_k = [("blk.0.attn_k_b.weight", torch.zeros(4, 16, 16))]
+    with pytest.raises(ValueError, match=r"layers \['0'\] lack attn_k_b or attn_v_b"):
+        list(hf_tensors(only_k, cfg, lambda n: n))
