@@ -148,7 +148,8 @@ def _add_word_vocab(writer: gguf.GGUFWriter, tokens: list[str]) -> None:
 
 def bpe_vocab(tokenizer_dir: Path, vocab_size: int | None = None) -> tuple[list[str], list[int]]:
     """Tokens and types as the converter's get_vocab_base writes them: every id below the
-    model's vocab size, padding ids as [PADi] (UNUSED), added tokens CONTROL when special, else
+    model's vocab size, padding ids as [PADi] (UNUSED), added tokens CONTROL when special or
+    shaped like a control token (DeepSeek's <｜User｜> is not special in tokenizer.json), else
     USER_DEFINED."""
     from transformers import PreTrainedTokenizerFast
 
@@ -167,20 +168,29 @@ def bpe_vocab(tokenizer_dir: Path, vocab_size: int | None = None) -> tuple[list[
         if i in added:
             if not added[i].normalized:
                 token = tok.decode(tok.encode(token, add_special_tokens=False))
-            types.append(
-                gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED
-            )
+            control = added[i].special or _looks_special(token)
+            types.append(gguf.TokenType.CONTROL if control else gguf.TokenType.USER_DEFINED)
         else:
             types.append(gguf.TokenType.NORMAL)
         tokens.append(token)
     return tokens, types
 
 
-def write_vocab_only(tokenizer_dir: Path, pre: str, dst: Path, arch: str = "llama") -> Path:
+def _looks_special(token: str) -> bool:
+    """The converter's rule for added tokens it makes CONTROL although they are not special."""
+    bars = (token.startswith("<|") and token.endswith("|>")) or (
+        token.startswith("<\uff5c") and token.endswith("\uff5c>")
+    )
+    return bars or token == "<pad>"
+
+
+def write_vocab_only(
+    tokenizer_dir: Path, pre: str, dst: Path, arch: str = "llama", vocab_size: int | None = None
+) -> Path:
     """A vocabulary-only GGUF of a Hugging Face tokenizer (tokenizer.json + its config), as
     `convert_hf_to_gguf.py --vocab-only` writes it; `pre` is the name the converter's hash
-    table gives that tokenizer."""
-    tokens, types = bpe_vocab(tokenizer_dir)
+    table gives that tokenizer, `vocab_size` the model's (ids past the tokenizer's padded)."""
+    tokens, types = bpe_vocab(tokenizer_dir, vocab_size)
     writer = gguf.GGUFWriter(str(dst), arch)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
