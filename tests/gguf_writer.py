@@ -70,8 +70,26 @@ def write_deepseek2(
     """The HF checkpoint in `src` (written by save_pretrained) → a deepseek2 GGUF at `dst`.
     qtype: F32, Q8_0, Q4_0 or Q4_1 for the weight matrices whose rows are whole blocks."""
     hp = json.loads((src / "config.json").read_text())
-    rope = {**(hp.get("rope_scaling") or {}), **(hp.get("rope_parameters") or {})}
     writer = gguf.GGUFWriter(str(dst), gguf.MODEL_ARCH_NAMES[ARCH])
+    add_deepseek2_metadata(writer, hp)
+    _add_word_vocab(writer, vocab or [f"w{i}" for i in range(hp["vocab_size"])])
+    names = gguf.get_tensor_name_map(ARCH, hp["num_hidden_layers"])
+    for hf, w in _converted_tensors(_hf_state(src), hp):
+        # The converter's one rename before its table: V3's bias as a ".bias" suffix.
+        hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert name is not None, f"the gguf package's table has no name for {hf}"
+        _add_tensor(writer, name, w, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def add_deepseek2_metadata(writer: gguf.GGUFWriter, hp: dict[str, Any]) -> None:
+    """The model keys the converter writes for a DeepSeek-V2/V3 config.json `hp`."""
+    rope = {**(hp.get("rope_scaling") or {}), **(hp.get("rope_parameters") or {})}
     writer.add_context_length(hp["max_position_embeddings"])
     writer.add_embedding_length(hp["hidden_size"])
     writer.add_feed_forward_length(hp["intermediate_size"])
@@ -120,19 +138,6 @@ def write_deepseek2(
                 add(rope[key])
         if rope.get("mscale_all_dim") is not None:
             writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    _add_word_vocab(writer, vocab or [f"w{i}" for i in range(hp["vocab_size"])])
-    names = gguf.get_tensor_name_map(ARCH, hp["num_hidden_layers"])
-    for hf, w in _converted_tensors(_hf_state(src), hp):
-        # The converter's one rename before its table: V3's bias as a ".bias" suffix.
-        hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
-        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
-        assert name is not None, f"the gguf package's table has no name for {hf}"
-        _add_tensor(writer, name, w, qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
 
 
 def _add_word_vocab(writer: gguf.GGUFWriter, tokens: list[str]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,11 +173,22 @@ def q4_codes(
     """A Q4_0 / Q4_1 tensor's blocks of 32 → codes [blocks, 32] (uint8, 0..15), the fp16 scale
     d and, for Q4_1, the minimum m as fp32 [blocks, 1]. Q4_0 x = d·(q − 8); Q4_1 x = d·q + m.
     The codes of weights 0..15 are the low nibbles of the 16 code bytes, 16..31 the high ones."""
-    raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).view(-1, _BLOCK_BYTES[qname])
+    raw = _file_bytes(data).view(-1, _BLOCK_BYTES[qname])
     d = raw[:, 0:2].contiguous().view(torch.float16).float()
     codes = raw[:, 4:] if qname == "Q4_1" else raw[:, 2:]
     m = raw[:, 2:4].contiguous().view(torch.float16).float() if qname == "Q4_1" else None
-    return torch.cat([codes & 15, codes >> 4], dim=1), d, m
+    out = torch.empty(codes.shape[0], 32, dtype=torch.uint8)
+    torch.bitwise_and(codes, 15, out=out[:, :16])
+    torch.bitwise_right_shift(codes, 4, out=out[:, 16:])
+    return out, d, m
+
+
+def _file_bytes(data: np.ndarray) -> torch.Tensor:
+    """A tensor over a tensor's bytes in the (read-only) file map, without a copy: only read
+    from, never written (torch warns on any non-writable buffer; the warning is moot here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
 
 
 def _fast_dequantize(data: np.ndarray, qname: str) -> torch.Tensor | None:
@@ -234,4 +246,5 @@ def _dequantised(
             if not arr.flags.writeable:  # F32 tensors come back as a read-only view of the mmap
                 arr = arr.copy()
             w = torch.from_numpy(arr)
+        reader.release(t)  # copied out: the file's pages need not stay resident
         yield t.name, w.reshape(shape)

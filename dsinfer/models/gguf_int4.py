@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
+from dsinfer.layers.int4_pack import int4_block_rows, int4pack_from_codes
 from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.moe import RoutedExperts
 from dsinfer.layers.quant import (
@@ -39,11 +40,11 @@ GROUP = 32
 
 
 def q4_blocks(data: np.ndarray, qname: str, rows: int) -> tuple[torch.Tensor, ...]:
-    """One Q4_0/Q4_1 tensor's bytes → codes [rows, K] (int32, 0..15), scale and zero
+    """One Q4_0/Q4_1 tensor's bytes → codes [rows, K] (uint8, 0..15), scale and zero
     [rows, K / 32] fp32 such that x = (q − 8)·scale + zero."""
     q, d, m = q4_codes(data, qname)
     zero = m + 8 * d if m is not None else torch.zeros_like(d)
-    return q.to(torch.int32).view(rows, -1), d.view(rows, -1), zero.view(rows, -1)
+    return q.view(rows, -1), d.view(rows, -1), zero.view(rows, -1)
 
 
 def pack_gguf_int4(
@@ -66,6 +67,7 @@ def pack_gguf_int4(
             continue
         direct.add(t.name)
         q, scale, zero = q4_blocks(t.data, t.tensor_type.name, rows=int(t.shape[1]))
+        reader.release(t)
         heads = permuted_heads(name, cfg)
         if heads is not None:
             q, scale, zero = (unpermute_rows(x, heads) for x in (q, scale, zero))
@@ -92,6 +94,8 @@ def _pack_experts(
         if any(t.tensor_type.name not in ("Q4_0", "Q4_1") for t in found.values()):
             continue
         _pack_expert_stacks(experts, found, dtype)
+        for t in found.values():
+            reader.release(t)
         direct.update(t.name for t in found.values())
     return direct
 
@@ -99,40 +103,40 @@ def _pack_experts(
 def _pack_expert_stacks(
     experts: RoutedExperts, found: dict[str, GGUFTensor], dtype: torch.dtype
 ) -> None:
-    """gate | up (w13) and down (w2) stacks → Int4ExpertsMethod's q / sz stacks."""
+    """gate | up (w13) and down (w2) stacks → Int4ExpertsMethod's q / sz stacks, each stack
+    in one pass."""
     n = experts.num_experts
 
-    def per_expert(t: GGUFTensor) -> list[tuple[torch.Tensor, ...]]:
-        # GGUF dims [in, out, E] innermost first: each expert's rows are `out` consecutive rows.
-        rows = int(t.shape[1])
-        q, scale, zero = q4_blocks(t.data, t.tensor_type.name, rows=rows * n)
-        return [
-            (
-                q[e * rows : (e + 1) * rows],
-                scale[e * rows : (e + 1) * rows],
-                zero[e * rows : (e + 1) * rows],
-            )
-            for e in range(n)
-        ]
+    def codes(t: GGUFTensor) -> tuple[torch.Tensor, ...]:
+        # GGUF dims [in, out, E] innermost first → codes [E, out, in], scale / zero [E, out, G]
+        out_f, in_f = int(t.shape[1]), int(t.shape[0])
+        q, scale, zero = q4_blocks(t.data, t.tensor_type.name, rows=n * out_f)
+        return q.view(n, out_f, in_f), scale.view(n, out_f, -1), zero.view(n, out_f, -1)
 
-    if "gate_up" in found:
-        w13 = per_expert(found["gate_up"])
-    else:
-        gate, up = per_expert(found["gate"]), per_expert(found["up"])
-        w13 = [
-            tuple(torch.cat([g[i], u[i]]) for i in range(3)) for g, u in zip(gate, up, strict=True)
-        ]
-    method = experts_method("int4", GROUP)
-    experts.set_method(method)
-    for which, parts in (("13", w13), ("2", per_expert(found["down"]))):
-        q = torch.stack([torch._convert_weight_to_int4pack_for_cpu(p[0], 1) for p in parts])
-        sz = torch.stack([torch.stack([p[1].t(), p[2].t()], dim=-1) for p in parts])
+    def packed(*stacks: GGUFTensor) -> tuple[torch.Tensor, ...]:
+        """Stacks joined along `out` (gate, then up) → torch's int4 bytes, scale, zero."""
+        parts = [codes(t) for t in stacks]
+        if len(parts) == 1:
+            q, scale, zero = parts[0]
+            return int4pack_from_codes(q), scale, zero
+        scale, zero = (torch.cat([p[i] for p in parts], dim=1) for i in (1, 2))
+        rows = int4_block_rows()
+        if rows is not None and all(p[0].shape[1] % rows == 0 for p in parts):
+            # Whole blocks of rows each: the joined bytes are the parts' bytes, joined.
+            return torch.cat([int4pack_from_codes(p[0]) for p in parts], dim=1), scale, zero
+        return int4pack_from_codes(torch.cat([p[0] for p in parts], dim=1)), scale, zero
+
+    w13 = packed(found["gate_up"]) if "gate_up" in found else packed(found["gate"], found["up"])
+    experts.set_method(experts_method("int4", GROUP))
+    for which, (q, scale, zero) in (("13", w13), ("2", packed(found["down"]))):
         want = getattr(experts, f"q{which}").shape
         if tuple(q.shape) != tuple(want):
             raise ValueError(
                 f"GGUF expert stack {tuple(q.shape)} does not match the model's {tuple(want)}"
             )
         getattr(experts, f"q{which}").data = q
+        # [E, out, G] each → [E, G, out, 2], the layout of an int4 Linear's per expert
+        sz = torch.stack([scale.transpose(1, 2), zero.transpose(1, 2)], dim=-1)
         getattr(experts, f"sz{which}").data = sz.to(dtype).contiguous()
 
 
@@ -159,5 +163,5 @@ def _pack(layer: Linear, shards: dict[str | None, tuple[torch.Tensor, ...]], dty
             f"{(layer.out_features, layer.in_features)}"
         )
     layer.set_method(quant_method("int4", GROUP))  # type: ignore[arg-type]
-    layer.qweight.data = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    layer.qweight.data = int4pack_from_codes(q)
     layer.scales_zeros.data = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()

@@ -42,6 +42,7 @@ class GGUFTensor:
     shape: tuple[int, ...]  # GGUF order: innermost dimension first
     tensor_type: gguf.GGMLQuantizationType
     data: np.ndarray  # the tensor's bytes (uint8, a view of the file map)
+    offset: int = 0  # where they start in the file
 
 
 class GGUFFile:
@@ -77,7 +78,18 @@ class GGUFFile:
             if start + offset + nbytes > len(self._map):
                 raise ValueError(f"{path}: tensor {name} runs past the end of the file")
             data = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start + offset)
-            self.tensors.append(GGUFTensor(name, dims, qtype, data))
+            self.tensors.append(GGUFTensor(name, dims, qtype, data, start + offset))
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the file's pages under `tensor` from this process once its bytes are copied
+        out: a loader reading a 9 GiB file would otherwise hold all of it resident (as
+        reclaimable page cache, but counted in its RSS) beside the weights it built. The view
+        stays valid; touching it again reads the file again."""
+        page = mmap.PAGESIZE
+        start = tensor.offset // page * page
+        end = min(len(self._map), tensor.offset + tensor.data.nbytes)
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _take(self, n: int) -> bytes:
         b = self._map[self._off : self._off + n]

@@ -184,6 +184,15 @@ def test_int4_codes_unpack_and_pack_as_torch_does() -> None:
         assert torch.equal(int4pack_codes(int4pack_from_codes(part)), part), rows
     with pytest.raises(ValueError, match="not a multiple of 16"):
         int4pack_codes(torch.zeros(40, 48, dtype=torch.uint8))
+    # A whole stack in one pass (the GGUF expert load) writes torch's own bytes at every row
+    # count: whole blocks, a tail after them, fewer rows than a block.
+    for o in range(16, 273, 16):
+        stack = torch.randint(0, 16, (2, o, 64), dtype=torch.uint8)
+        got = int4pack_from_codes(stack)
+        assert got.is_contiguous(), o
+        for e in range(2):
+            want = torch._convert_weight_to_int4pack_for_cpu(stack[e].int(), 1)
+            assert torch.equal(got[e], want), o
 
 
 def test_the_64_row_block_layout_is_what_this_torch_writes() -> None:
