@@ -1,6 +1,7 @@
 """llama.cpp's llama-server and dsinfer, one after the other in one run, on the same prompts.
 
-Each server runs alone on the machine (the other is stopped), on the embedded SmolLM2 Q4_1 GGUF;
+Each server runs alone on the machine (the other is stopped), on the embedded SmolLM2 Q4_1 GGUF
+(or --model, another GGUF: benchmarks/deepseek_gguf.py writes a DeepSeek-V2-Lite-shaped one);
 the same streaming load (`dsinfer bench serve`: ~128-word prompts, 128 new tokens, ignore_eos,
 same seed) runs at each concurrency. Prints both sides, the ratios, and each server's peak RSS
 (VmHWM); writes everything to --out as JSON.
@@ -46,7 +47,7 @@ def load_levels(url: str, levels: list[int], args: argparse.Namespace) -> dict[i
             model=None,
             api_key=None,
             concurrency=c,
-            num_requests=max(16, 4 * c),
+            num_requests=args.num_requests or max(16, 4 * c),
             duration=None,
             input_len=args.input_len,
             output_len=args.output_len,
@@ -141,12 +142,13 @@ def config_name(extra: str) -> str:
     return f"dsinfer {extra}".strip() if extra else "dsinfer (default)"
 
 
-def dsinfer_cmd(extra: str, port: int) -> list[str]:
+def dsinfer_cmd(extra: str, port: int, model: list[str]) -> list[str]:
     return [
         str(ROOT / ".venv" / "bin" / "dsinfer"),
         "serve",
         "--port",
         str(port),
+        *model,
         *shlex.split(extra),
     ]
 
@@ -248,6 +250,15 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--port", type=int, default=8131)
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="the GGUF both servers serve (default: the embedded SmolLM2); e.g. a DeepSeek one "
+        "written by benchmarks/deepseek_gguf.py",
+    )
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="per level (default: max(16, 4 × c))"
+    )
     p.add_argument("--out", default="benchmarks/results/serve_compare")
     p.add_argument(
         "--rounds", type=int, default=1, help="repeat the sequence N times, ratios per round"
@@ -255,7 +266,7 @@ def main() -> int:
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    gguf = str(resolve_model_path("smollm2"))
+    gguf = str(resolve_model_path(args.model))
     url = f"http://127.0.0.1:{args.port}"
     llama = [
         llama_cpp_tool("llama-server", args.llama_server),
@@ -281,8 +292,9 @@ def main() -> int:
         # Servers in turn: llama-server first in odd rounds, last in even ones, so that a drift
         # across a round does not favour the same side every time.
         jobs: list[tuple[str, list[str], str]] = [("llama-server", llama, f"llama-server{tag}")]
+        model = [] if args.model == "smollm2" else ["--model", gguf]
         jobs += [
-            (config_name(extra), dsinfer_cmd(extra, args.port), f"dsinfer-{i}{tag}")
+            (config_name(extra), dsinfer_cmd(extra, args.port, model), f"dsinfer-{i}{tag}")
             for i, extra in enumerate(configs)
         ]
         if k % 2:

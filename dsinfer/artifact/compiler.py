@@ -26,7 +26,8 @@ from dsinfer.artifact.signing import sign_dir
 from dsinfer.artifact.weights_io import save_weights
 from dsinfer.config import QUANTISED_SCHEMES, parse_dtype
 from dsinfer.layers.int4_pack import int4_pack_layout
-from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, quantize_model
+from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, plan_formats, quantize_model
+from dsinfer.models.gguf_file import native_scheme, open_gguf
 from dsinfer.models.loader import LoadedModel, load_model, resolve_model_path
 from dsinfer.progress import progress
 from dsinfer.tokenizer import load_tokenizer
@@ -78,10 +79,17 @@ def _dedup_tied(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, st
 
 
 def _write_contents(
-    tmp: Path, src: str, loaded: LoadedModel, opts: CompileOptions, dtype: torch.dtype
+    tmp: Path,
+    src: str,
+    loaded: LoadedModel,
+    opts: CompileOptions,
+    dtype: torch.dtype,
+    prequantised: bool = False,
 ) -> Manifest:
     exceptions: dict[str, str] = {}
-    if opts.quant in QUANTISED_SCHEMES:
+    if prequantised:  # loaded in the scheme's layout already (a Q4 GGUF's blocks, as they are)
+        exceptions = plan_formats(loaded.model, opts.quant, opts.group_size)
+    elif opts.quant in QUANTISED_SCHEMES:
         # Quantised from the fp32 load; the scales and every float tensor left take `dtype`.
         exceptions = quantize_model(loaded.model, opts.quant, opts.group_size, dtype)
         for p in loaded.model.parameters():
@@ -155,6 +163,17 @@ def _replace(tmp: Path, out: Path) -> None:
         os.rename(tmp, out)
 
 
+def _q4_gguf_to_int4(src: str, opts: CompileOptions) -> bool:
+    """Whether `src` is a GGUF of Q4_0 / Q4_1 projections compiled to int4 in groups of 32:
+    then its blocks are packed as they are (models/gguf_int4.py), where a float load and our
+    min/max quantiser would move the blocks whose codes miss 0 or 15 to another grid (a
+    Q4_0 block's, usually) and need the whole model in fp32 (64 GiB for DeepSeek-V2-Lite)."""
+    path = resolve_model_path(src)
+    if not (path.is_file() and opts.quant == "int4" and opts.group_size == 32):
+        return False
+    return native_scheme(open_gguf(path)) == "int4"
+
+
 def compile_artifact(src: str, out: Path, opts: CompileOptions) -> Manifest:
     """Compile `src` (HF directory, GGUF file or embedded name) into the artifact `out`."""
     check_options(opts)
@@ -167,8 +186,12 @@ def compile_artifact(src: str, out: Path, opts: CompileOptions) -> Manifest:
         # grid (SmolLM2 Q4_1 → int4/64: perplexity +48%, measured).
         logger.warning("the GGUF source is quantised in groups of 32; --group-size 32 keeps it")
     quantised = opts.quant in QUANTISED_SCHEMES
+    direct = _q4_gguf_to_int4(src, opts)
     with progress(f"compiling {src}", 4) as stage:  # load, quantise + write, sign, sync
-        loaded = load_model(src, torch.float32 if quantised else float_dtype(opts))
+        if direct:  # its blocks are int4 groups of 32 as they are: exact, and no float copy
+            loaded = load_model(src, float_dtype(opts), quantization="int4")
+        else:
+            loaded = load_model(src, torch.float32 if quantised else float_dtype(opts))
         stage(1)
         dtype = parse_dtype(float_dtype(opts)) if quantised else loaded.dtype
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -177,7 +200,7 @@ def compile_artifact(src: str, out: Path, opts: CompileOptions) -> Manifest:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            manifest = _write_contents(tmp, src, loaded, opts, dtype)
+            manifest = _write_contents(tmp, src, loaded, opts, dtype, prequantised=direct)
             stage(1)
             if opts.sign_key is not None:
                 sign_dir(tmp, opts.sign_key)

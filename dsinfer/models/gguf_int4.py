@@ -141,12 +141,13 @@ def _pack_expert_stacks(
 
 
 def finish_gguf_int4(net: nn.Module, dtype: torch.dtype) -> None:
-    """After the generic load: the layers left float under int4 (the LM head → int8), and
-    expert stacks left float (not Q4 in the file) → their planned format."""
+    """After the generic load, what the file did not hold as Q4 takes its planned format, as
+    `dsinfer compile` gives it: layers (the LM head → int8; a Q8_0 / F16 / K-quant layer →
+    int4 from its float copy) and expert stacks."""
     formats = plan_formats(net, "int4", GROUP)
     for name, layer in quantizable_linears(net):
         fmt = formats.get(name, "int4")
-        if fmt == "int8":
+        if fmt != "float" and "weight" in layer.method.tensor_names:  # still the float weight
             apply_format(layer, fmt, GROUP, dtype)
     for name, experts in routed_experts(net):
         if "w13" in experts.method.tensor_names:  # still the float stacks

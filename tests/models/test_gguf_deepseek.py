@@ -201,3 +201,20 @@ def test_unknown_gating_and_missing_halves_are_refused(converted):
     only_k = [("blk.0.attn_k_b.weight", torch.zeros(4, 16, 16))]
     with pytest.raises(ValueError, match=r"layers \['0'\] lack attn_k_b or attn_v_b"):
         list(hf_tensors(only_k, cfg, lambda n: n))
+
+
+def test_an_int4_artifact_compiled_from_a_q4_file_keeps_its_blocks(tmp_path):
+    """`dsinfer compile FILE.gguf --quant int4` of a Q4_0 file packs its blocks as the direct
+    load does (no fp32 copy, no second quantisation): the artifact computes exactly what the
+    file computes, and a layer the file kept F32 (rows not whole blocks) is planned as usual."""
+    from dsinfer.artifact.compiler import CompileOptions, compile_artifact
+
+    _tiny("v3", moe_intermediate_size=32).save_pretrained(tmp_path)
+    path = write_deepseek2(tmp_path, tmp_path / "q4.gguf", qtype="Q4_0")
+    manifest = compile_artifact(str(path), tmp_path / "art", CompileOptions(quant="int4"))
+    assert manifest.quantization["layer_formats"]["lm_head"] == "int8"
+    opts = dict(num_blocks=64, block_size=4)
+    ids = list(range(5, 30))
+    want = full_logits(LLM(str(path), **opts).engine, ids)
+    got = full_logits(LLM(str(tmp_path / "art"), **opts).engine, ids)
+    assert torch.equal(got, want)
