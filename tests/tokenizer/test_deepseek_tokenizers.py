@@ -8,6 +8,7 @@ import zipfile
 import pytest
 
 from dsinfer.tokenizer import load_tokenizer
+from tests.helpers import TOKENIZER_CORPUS as CORPUS
 from tests.helpers import tokenizer_data_dir as _data_dir
 
 NAMES = [
@@ -20,14 +21,6 @@ NAMES = [
     "deepseek-r1-distill-qwen-7b",
     "deepseek-r1-distill-llama-8b",
     "deepseek-r1-0528-qwen3-8b",
-]
-CORPUS = [
-    "Hello, world! The quick brown fox jumps over the lazy dog.",
-    "人工智能是计算机科学的一个分支。深度求索发布了新的模型。",
-    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
-    "Emoji: 😀🚀👍🏽 and mixed 中文 English 日本語 한국어 — done.",
-    "   leading spaces, tabs\tand\nnewlines\n\n  12345 3.14159 1e-9",
-    "<｜begin▁of▁sentence｜>special tokens inline<｜end▁of▁sentence｜>",
 ]
 
 

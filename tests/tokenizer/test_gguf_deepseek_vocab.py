@@ -13,8 +13,8 @@ import pytest
 from dsinfer.tokenizer import load_tokenizer
 from dsinfer.tokenizer.gguf_vocab import from_gguf
 from tests.gguf_writer import write_vocab_only
+from tests.helpers import TOKENIZER_CORPUS as CORPUS
 from tests.helpers import tokenizer_data_dir
-from tests.tokenizer.test_deepseek_tokenizers import CORPUS
 
 # Tokenizer → the pre-tokenizer name in its GGUF files. deepseek-r1 and the distills are named
 # as llama.cpp's converter (llama-cpp-python 0.3.36) names these very files (joyai-llm,
