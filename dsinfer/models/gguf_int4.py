@@ -5,10 +5,10 @@ GGUF's 4-bit blocks are our int4 groups of 32: a Q4_1 block is x = d·q + m, whi
 is x = d·(q − 8), zero = 0. So the codes are packed for the kernel as they are, and only d and
 m are converted (fp16 → the activation dtype of the scales). The fused projections (q|k|v,
 gate|up) are packed once all their checkpoint shards have arrived. DeepSeek's routed experts
-(one [E, out, in] stack per projection, gguf_deepseek.py) are packed the same way, expert by
-expert, when all their stacks are Q4. Everything else (norms, the embedding, a layer or expert
-stack whose format is not Q4) is dequantised and loaded as before, then quantised as
-`dsinfer compile` would (the LM head to int8; experts left float to their planned format).
+(one [E, out, in] stack per projection, gguf_deepseek.py) are packed the same way, a whole
+stack in one pass, when all their stacks are Q4. Everything else (norms, the embedding, a
+layer or expert stack the file does not hold as Q4) is dequantised and loaded as before, then
+quantised to its planned format as `dsinfer compile` would (the LM head to int8).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def pack_gguf_int4(
 def _pack_experts(
     net: nn.Module, reader: GGUFFile, formats: dict[str, str], dtype: torch.dtype
 ) -> set[str]:
-    """Every int4-format stack of routed experts whose GGUF stacks are all Q4, packed expert
-    by expert; the GGUF names consumed."""
+    """Every int4-format stack of routed experts whose GGUF stacks are all Q4, packed from
+    the blocks; the GGUF names consumed."""
     stacks = expert_stacks(reader)
     direct: set[str] = set()
     for name, experts in routed_experts(net):

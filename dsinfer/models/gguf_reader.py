@@ -85,6 +85,8 @@ class GGUFFile:
         out: a loader reading a 9 GiB file would otherwise hold all of it resident (as
         reclaimable page cache, but counted in its RSS) beside the weights it built. The view
         stays valid; touching it again reads the file again."""
+        if not hasattr(mmap, "MADV_DONTNEED"):  # no madvise here (Windows): pages stay
+            return
         page = mmap.PAGESIZE
         start = tensor.offset // page * page
         end = min(len(self._map), tensor.offset + tensor.data.nbytes)
