@@ -98,12 +98,15 @@ def step_counters(url: str) -> dict[str, float] | None:
     }
 
 
-def gguf_weight_bytes(path: str) -> int:
-    """What llama.cpp reads per forward: every tensor (SmolLM2's head is the tied embedding,
-    read whole for the logits)."""
+def gguf_weight_bytes(path: str) -> tuple[int, bool]:
+    """What llama.cpp reads per forward at most: every tensor (SmolLM2's head is the tied
+    embedding, read whole for the logits); and whether the model routes experts (then a
+    forward reads only the experts its tokens chose, and the figure overstates)."""
     from dsinfer.models.gguf_reader import GGUFFile
 
-    return sum(t.data.nbytes for t in GGUFFile(path).tensors)
+    tensors = GGUFFile(path).tensors
+    moe = any("_exps." in t.name for t in tensors)
+    return sum(t.data.nbytes for t in tensors), moe
 
 
 def run_server(name: str, cmd: list[str], url: str, levels: list[int], args, log_name: str) -> dict:  # noqa: ANN001
@@ -175,8 +178,11 @@ def print_round(runs: dict[str, dict], levels: list[int]) -> None:
 
 def print_bandwidth(runs: dict[str, dict], levels: list[int], gguf: str) -> None:
     base = runs["llama-server"]
-    weights = gguf_weight_bytes(gguf)
+    weights, moe = gguf_weight_bytes(gguf)
     print(f"\nBandwidth (weights read per forward: llama-server {weights / 2**20:.0f} MiB):")
+    if moe:
+        print("  (a MoE model: a forward reads only the routed experts it chose; the llama-server")
+        print("  figures below take every weight, so they overstate its bandwidth)")
     for c in levels:
         b = base["levels"][c]
         # One forward serves all the streams that decode together: ~min(c, 16) tokens.
