@@ -51,6 +51,19 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+def available_bytes() -> int | None:
+    """What the kernel says a new allocation can take without swapping (MemAvailable: free
+    memory plus reclaimable cache), or None where there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def release_freed_memory() -> None:
     """Return the heap's free pages to the OS (glibc malloc_trim): without it, the float
     copies a load-time quantisation frees, and the storages gathered into an arena, stay in

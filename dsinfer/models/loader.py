@@ -22,7 +22,7 @@ from torch import nn
 
 from dsinfer.config import QUANTISED_SCHEMES, ModelConfig, parse_dtype
 from dsinfer.device import native_bf16_matmul
-from dsinfer.device.host_memory import release_freed_memory
+from dsinfer.device.host_memory import available_bytes, release_freed_memory
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import default_weight_loader, fused_target
 from dsinfer.layers.quant import has_method, plan_formats, prepare_quantized, quantize_model
@@ -214,6 +214,29 @@ def _copy_weights(weights, params, packed, mapper, tied, loaded, unexpected, adv
         advance(1)
 
 
+def refuse_float_load_beyond_memory(net: nn.Module, path: Path, on_cpu: bool) -> None:
+    """A float load fills every parameter before anything is quantised: refuse it up front,
+    with what to do, when the parameters alone exceed the memory the machine has available (the
+    alternative is the kernel killing the process minutes into the load)."""
+    available = available_bytes() if on_cpu else None
+    need = sum(p.numel() * p.element_size() for p in net.parameters())
+    if available is None or need <= available:
+        return
+    gib = 2**30
+    hint = (
+        "a GGUF loads without a float copy when its projections are Q4_0/Q4_1 (llama.cpp: "
+        "llama-quantize --allow-requantize IN.gguf OUT.gguf Q4_0)"
+        if path.is_file()
+        else "compile it once on a machine with more memory (dsinfer compile --quant int4) "
+        "and serve the artifact"
+    )
+    raise ValueError(
+        f"{path.name}: its weights as {next(net.parameters()).dtype} floats take "
+        f"{need / gib:.1f} GiB, more than the {available / gib:.1f} GiB this machine has "
+        f"available; {hint}"
+    )
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str) -> nn.Module:
     """The model's graph with uninitialised parameters created in `dtype` on `device`.
 
@@ -365,8 +388,10 @@ def load_model(
         scheme = "none"  # done
         release_freed_memory()
     elif reader is not None:
+        refuse_float_load_beyond_memory(net, path, on_cpu)
         load_weights(net, iter_gguf_tensors(reader, cfg))
     else:
+        refuse_float_load_beyond_memory(net, path, on_cpu)
         load_weights(net, iter_safetensors(path))
     if scheme != "none" and not random_weights:
         quantize_model(net, scheme, 32, tdtype, torch.device(device).type)

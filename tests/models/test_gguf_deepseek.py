@@ -218,3 +218,19 @@ def test_an_int4_artifact_compiled_from_a_q4_file_keeps_its_blocks(tmp_path):
     want = full_logits(LLM(str(path), **opts).engine, ids)
     got = full_logits(LLM(str(tmp_path / "art"), **opts).engine, ids)
     assert torch.equal(got, want)
+
+
+def test_a_float_load_beyond_the_machines_memory_is_refused_up_front(converted, monkeypatch):
+    """A file that would load as floats (here F32) larger than the memory available is
+    refused before any weight is read, with the way to load it without a float copy; the same
+    file loads when the memory is there."""
+    from dsinfer.models import loader
+
+    _, _, src, path = converted
+    monkeypatch.setattr(loader, "available_bytes", lambda: 2**10)
+    with pytest.raises(ValueError, match=r"more than the 0\.0 GiB .* available; .*Q4_0"):
+        loader.load_model(str(path), dtype="float32")
+    with pytest.raises(ValueError, match="dsinfer compile --quant int4"):
+        loader.load_model(str(src), dtype="float32")  # the HF checkpoint
+    monkeypatch.setattr(loader, "available_bytes", lambda: 2**40)
+    assert loader.load_model(str(path), dtype="float32").config.mla is not None
