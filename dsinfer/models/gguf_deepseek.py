@@ -74,6 +74,13 @@ def hf_config(reader: GGUFFile) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
         return reader.fields.get(f"{ARCH}.{key}", default)
 
+    def need(*keys: str) -> Any:
+        """The first of `keys` the file has (a newer name first), or a clear refusal."""
+        for key in keys:
+            if get(key) is not None:
+                return get(key)
+        raise ValueError(f"deepseek2 GGUF lacks {ARCH}.{keys[0]}: not a complete model file")
+
     names = {t.name for t in reader.tensors}
     bias = any(n.endswith(".exp_probs_b.bias") for n in names)
     # Files without the key: V2's softmax, unless V3's selection bias is there (a config
@@ -84,18 +91,18 @@ def hf_config(reader: GGUFFile) -> dict[str, Any]:
     v3 = gating == _SIGMOID
     if v3 and not bias:
         raise ValueError("deepseek2 GGUF with sigmoid routing but no exp_probs_b (V3's bias)")
-    rope = int(get("rope.dimension_count"))
-    k_len = int(get("attention.key_length_mla") or get("attention.key_length"))
-    v_len = int(get("attention.value_length_mla") or get("attention.value_length"))
-    heads = int(get("attention.head_count"))
+    rope = int(need("rope.dimension_count"))
+    k_len = int(need("attention.key_length_mla", "attention.key_length"))
+    v_len = int(need("attention.value_length_mla", "attention.value_length"))
+    heads = int(need("attention.head_count"))
     groups = int(get("expert_group_count") or 1)
     vocab = get("vocab_size") or len(reader.fields.get("tokenizer.ggml.tokens", []))
     cfg: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
         "vocab_size": int(vocab),
-        "hidden_size": int(get("embedding_length")),
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "hidden_size": int(need("embedding_length")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": heads,  # MLA: every head reads the one latent
         "max_position_embeddings": int(get("context_length", 4096)),
@@ -103,7 +110,7 @@ def hf_config(reader: GGUFFile) -> dict[str, Any]:
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in names,
         "q_lora_rank": get("attention.q_lora_rank"),
-        "kv_lora_rank": int(get("attention.kv_lora_rank")),
+        "kv_lora_rank": int(need("attention.kv_lora_rank")),
         "qk_rope_head_dim": rope,
         "qk_nope_head_dim": k_len - rope,
         "v_head_dim": v_len,

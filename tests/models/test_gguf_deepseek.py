@@ -197,6 +197,12 @@ def test_unknown_gating_and_missing_halves_are_refused(converted):
     reader.fields["deepseek2.expert_gating_func"] = 3  # llama.cpp's sqrt-softplus: not DeepSeek
     with pytest.raises(ValueError, match="gating function 3"):
         hf_config(reader)
+    del (
+        reader.fields["deepseek2.expert_gating_func"],
+        reader.fields["deepseek2.attention.kv_lora_rank"],
+    )
+    with pytest.raises(ValueError, match="lacks deepseek2.attention.kv_lora_rank"):
+        hf_config(reader)
     cfg = read_model_config(path)
     only_k = [("blk.0.attn_k_b.weight", torch.zeros(4, 16, 16))]
     with pytest.raises(ValueError, match=r"layers \['0'\] lack attn_k_b or attn_v_b"):
