@@ -4,6 +4,8 @@ loaded by dsinfer against transformers on the original weights."""
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import pytest
 import torch
@@ -62,8 +64,6 @@ def test_the_config_read_from_gguf_is_the_checkpoints(converted):
     """Every field the model is built from equals what config.json gives, except those the
     GGUF cannot hold (the checkpoint's dtype)."""
     _, _, src, path = converted
-    import json
-
     want = config_from_hf(json.loads((src / "config.json").read_text()))
     got = read_model_config(path)
     assert got.architecture == want.architecture
