@@ -1,8 +1,8 @@
 """GGUF files written the way llama.cpp's converter (convert_hf_to_gguf.py) writes them, for
 tests: DeepSeek-V2/V3 checkpoints (`deepseek2`) and BPE vocabularies.
 
-The converter is not on the package registry, so CI cannot run it. This writer follows what
-it does (metadata keys and their meaning, kv_b split into k_b / v_b, experts stacked) using
+The converter ships only inside llama-cpp-python's source archive (22 MB, all of llama.cpp),
+which the test suite does not fetch. This writer follows what it does (metadata keys and their meaning, kv_b split into k_b / v_b, experts stacked) using
 the `gguf` package's own writer and tensor-name table, so the names come from llama.cpp's
 side, not from dsinfer's reader. In session 33 its output was checked field by field and
 tensor by tensor against the real converter (llama-cpp-python 0.3.36's vendored tree) on
