@@ -17,6 +17,7 @@ renamed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -32,43 +33,8 @@ sys.path.insert(0, str(ROOT))
 from tests.gguf_writer import add_deepseek2_metadata, bpe_vocab  # noqa: E402
 from tests.helpers import tokenizer_data_dir  # noqa: E402
 
-# DeepSeek-V2-Lite's config.json (the published one; rope scaling as it has it).
-V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "vocab_size": 102400,
-    "hidden_size": 2048,
-    "intermediate_size": 10944,
-    "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "n_routed_experts": 64,
-    "n_shared_experts": 2,
-    "num_experts_per_tok": 6,
-    "first_k_dense_replace": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "kv_lora_rank": 512,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000,
-    "routed_scaling_factor": 1.0,
-    "scoring_func": "softmax",
-    "norm_topk_prob": False,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 40,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-    },
-}
+# DeepSeek-V2-Lite's published config.json (the benchmarks' shared copy).
+V2_LITE = ROOT / "benchmarks" / "configs" / "deepseek-v2-lite" / "config.json"
 
 
 def tensor_shapes(hp: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -125,7 +91,7 @@ def random_blocks(shape: tuple[int, ...], qtype: str, rng: np.random.Generator) 
 
 
 def write(out: Path, layers: int, tokenizer: str, seed: int) -> None:
-    hp = {**V2_LITE, "num_hidden_layers": layers}
+    hp = {**json.loads(V2_LITE.read_text()), "num_hidden_layers": layers}
     rng = np.random.default_rng(seed)
     tmp_dir = Path(tempfile.mkdtemp())
     src = tokenizer_data_dir() / tokenizer

@@ -290,6 +290,7 @@ def main() -> int:
         str(args.port),
     ]
     configs = args.dsinfer_config or [""]
+    model = [] if args.model == "smollm2" else ["--model", gguf]  # dsinfer serve's default
     rounds = []
     for k in range(args.rounds):
         if args.rounds > 1:
@@ -298,7 +299,6 @@ def main() -> int:
         # Servers in turn: llama-server first in odd rounds, last in even ones, so that a drift
         # across a round does not favour the same side every time.
         jobs: list[tuple[str, list[str], str]] = [("llama-server", llama, f"llama-server{tag}")]
-        model = [] if args.model == "smollm2" else ["--model", gguf]
         jobs += [
             (config_name(extra), dsinfer_cmd(extra, args.port, model), f"dsinfer-{i}{tag}")
             for i, extra in enumerate(configs)

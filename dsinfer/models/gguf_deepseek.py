@@ -24,47 +24,35 @@ from typing import Any
 
 import torch
 
-from dsinfer.config import ModelConfig
 from dsinfer.models.gguf_reader import GGUFFile, GGUFTensor
 
 ARCH = "deepseek2"
 _SIGMOID, _SOFTMAX = 2, 1  # llama.cpp's expert_gating_func values
 
-# GGUF per-layer tensor → the HF module under model.layers.N (weights keep their suffix).
+# GGUF per-layer tensor → the HF module under model.layers.N, for the parts Llama's table
+# (gguf_file._LAYER_NAMES: norms, attn_q, attn_output, the dense MLP) lacks; weights and
+# biases keep their suffix.
 LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
     "attn_q_a": "self_attn.q_a_proj",
     "attn_q_a_norm": "self_attn.q_a_layernorm",
     "attn_q_b": "self_attn.q_b_proj",
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+# The one tensor whose HF name is not module + suffix: V3's selection bias (exp_probs_b.bias).
+TENSOR_NAMES = {"exp_probs_b": "mlp.gate.e_score_correction_bias"}
 _LAYER = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_STACKED = {"ffn_gate_exps": ("gate",), "ffn_up_exps": ("up",), "ffn_down_exps": ("down",)}
-_STACKED["ffn_gate_up_exps"] = ("gate", "up")
-
-
-def hf_layer_name(gguf_name: str) -> str | None:
-    """The HF name of a one-to-one deepseek2 tensor (not the stacked experts or k_b / v_b)."""
-    m = _LAYER.match(gguf_name)
-    if m is None:
-        return None
-    block, kind, suffix = m.groups()
-    if kind == "exp_probs_b":
-        return f"model.layers.{block}.mlp.gate.e_score_correction_bias"
-    module = LAYER_NAMES.get(kind)
-    return None if module is None else f"model.layers.{block}.{module}.{suffix}"
+_STACKED = {
+    "ffn_gate_exps": ("gate",),
+    "ffn_up_exps": ("up",),
+    "ffn_down_exps": ("down",),
+    "ffn_gate_up_exps": ("gate", "up"),
+}
 
 
 def hf_config(reader: GGUFFile) -> dict[str, Any]:
@@ -147,14 +135,11 @@ def hf_config(reader: GGUFFile) -> dict[str, Any]:
 
 
 def hf_tensors(
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    cfg: ModelConfig,
-    rename: Callable[[str], str | None],
+    tensors: Iterable[tuple[str, torch.Tensor]], rename: Callable[[str], str | None]
 ) -> Iterator[tuple[str | None, str, torch.Tensor]]:
     """(GGUF name, tensor in torch's dim order) → (HF name, GGUF name, tensor): experts
     unstacked, k_b and v_b joined into kv_b_proj (whichever of the two comes first waits for
     the other), the rest named by `rename` (None: a tensor dsinfer does not know)."""
-    mla = cfg.mla
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, w in tensors:
         m = _LAYER.match(name)
@@ -170,9 +155,8 @@ def hf_tensors(
                 del halves[block]
                 # k_b [H, rank, nope] → [H, nope, rank]; with v_b [H, v, rank] → [H·(nope+v), rank]
                 kv_b = torch.cat([pair["attn_k_b"].transpose(1, 2), pair["attn_v_b"]], dim=1)
-                rows = kv_b.shape[0] * (mla.qk_nope_head_dim + mla.v_head_dim)
                 hf = f"model.layers.{block}.self_attn.kv_b_proj.weight"
-                yield hf, f"blk.{block}.attn_k_b|v_b", kv_b.reshape(rows, -1)
+                yield hf, f"blk.{block}.attn_k_b|v_b", kv_b.flatten(0, 1)
         else:
             yield rename(name), name, w
     if halves:

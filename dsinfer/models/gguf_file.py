@@ -50,6 +50,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    **gguf_deepseek.LAYER_NAMES,  # MLA's and DeepSeekMoE's parts
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -134,9 +135,12 @@ def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+    if len(parts) != 4 or parts[0] != "blk":
+        return None
+    if parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return gguf_deepseek.hf_layer_name(gguf_name)
+    whole = gguf_deepseek.TENSOR_NAMES.get(parts[2])
+    return None if whole is None else f"model.layers.{parts[1]}.{whole}"
 
 
 # GGUF block types our weight-only layouts hold without loss of the grid: Q4_0/Q4_1 are 4-bit
@@ -212,7 +216,7 @@ def iter_gguf_tensors(
     another way) are left out."""
     tensors = _dequantised(reader, skip)
     if cfg.mla is not None:  # DeepSeek-V2/V3: experts stacked, kv_b split (gguf_deepseek.py)
-        named = gguf_deepseek.hf_tensors(tensors, cfg, hf_name)
+        named = gguf_deepseek.hf_tensors(tensors, hf_name)
     else:
         named = ((hf_name(n), n, w) for n, w in tensors)
     for name, gguf_name, w in named:

@@ -26,7 +26,6 @@ from dsinfer.layers.moe import RoutedExperts
 from dsinfer.layers.quant import (
     apply_format,
     experts_method,
-    plan_formats,
     quant_method,
     quantizable_linears,
     routed_experts,
@@ -37,6 +36,7 @@ from dsinfer.models.gguf_reader import GGUFFile, GGUFTensor
 
 logger = logging.getLogger(__name__)
 GROUP = 32
+_Q4 = ("Q4_0", "Q4_1")  # the GGUF types whose blocks are int4 groups of 32 as they are
 
 
 def q4_blocks(data: np.ndarray, qname: str, rows: int) -> tuple[torch.Tensor, ...]:
@@ -48,18 +48,18 @@ def q4_blocks(data: np.ndarray, qname: str, rows: int) -> tuple[torch.Tensor, ..
 
 
 def pack_gguf_int4(
-    net: nn.Module, reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype
+    net: nn.Module, reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, formats: dict[str, str]
 ) -> set[str]:
     """Pack every Q4 projection of an int4-format layer into `net` (float, unsplit: one
-    process); returns the GGUF names it consumed (the generic loader takes the rest)."""
-    formats = plan_formats(net, "int4", GROUP)
+    process; `formats`: plan_formats under int4, groups of GROUP); returns the GGUF names it
+    consumed (the generic loader takes the rest)."""
     layers = {n: m for n, m in quantizable_linears(net) if formats.get(n, "int4") == "int4"}
     packed: dict[str, tuple[str, str]] = getattr(net, "packed_modules", {})
     pending: dict[str, dict[str | None, tuple[torch.Tensor, ...]]] = {}
     direct: set[str] = set()
     for t in reader.tensors:
         name = hf_name(t.name)
-        if t.tensor_type.name not in ("Q4_0", "Q4_1") or name is None:
+        if t.tensor_type.name not in _Q4 or name is None:
             continue
         target, shard = fused_target(name, packed)
         module = target.removesuffix(".weight")
@@ -91,7 +91,7 @@ def _pack_experts(
         found = stacks.get(name)
         if formats.get(name, "int4") != "int4" or found is None:
             continue
-        if any(t.tensor_type.name not in ("Q4_0", "Q4_1") for t in found.values()):
+        if any(t.tensor_type.name not in _Q4 for t in found.values()):
             continue
         _pack_expert_stacks(experts, found, dtype)
         for t in found.values():
@@ -140,11 +140,10 @@ def _pack_expert_stacks(
         getattr(experts, f"sz{which}").data = sz.to(dtype).contiguous()
 
 
-def finish_gguf_int4(net: nn.Module, dtype: torch.dtype) -> None:
-    """After the generic load, what the file did not hold as Q4 takes its planned format, as
-    `dsinfer compile` gives it: layers (the LM head → int8; a Q8_0 / F16 / K-quant layer →
-    int4 from its float copy) and expert stacks."""
-    formats = plan_formats(net, "int4", GROUP)
+def finish_gguf_int4(net: nn.Module, dtype: torch.dtype, formats: dict[str, str]) -> None:
+    """After the generic load, what the file did not hold as Q4 takes its planned format
+    (`formats`, as pack_gguf_int4 had them), as `dsinfer compile` gives it: layers (the LM
+    head → int8; a Q8_0 / F16 / K-quant layer → int4 from its float copy) and expert stacks."""
     for name, layer in quantizable_linears(net):
         fmt = formats.get(name, "int4")
         if fmt != "float" and "weight" in layer.method.tensor_names:  # still the float weight

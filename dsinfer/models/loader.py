@@ -35,6 +35,7 @@ from dsinfer.models.gguf_file import (
     open_gguf,
     release_gguf_maps,
 )
+from dsinfer.models.gguf_int4 import GROUP as GGUF_INT4_GROUP
 from dsinfer.models.gguf_int4 import finish_gguf_int4, pack_gguf_int4
 from dsinfer.models.registry import config_from_hf, model_class
 from dsinfer.progress import progress
@@ -382,9 +383,10 @@ def load_model(
         fill_random_weights(net, seed)
     elif reader is not None and scheme == "int4" and native == "int4" and unsplit() and on_cpu:
         # Q4 blocks are packed as they are; only the rest is dequantised (gguf_int4.py).
-        direct = pack_gguf_int4(net, reader, cfg, tdtype)
+        formats = plan_formats(net, "int4", GGUF_INT4_GROUP)  # once: it logs each exception
+        direct = pack_gguf_int4(net, reader, cfg, tdtype, formats)
         load_weights(net, iter_gguf_tensors(reader, cfg, skip=direct), preloaded=int4_params(net))
-        finish_gguf_int4(net, tdtype)
+        finish_gguf_int4(net, tdtype, formats)
         scheme = "none"  # done
         release_freed_memory()
     elif reader is not None:

@@ -60,6 +60,7 @@ class _PreTokenization:
 _GPT2 = _PreTokenization(gpt2_regex=True)
 _QWEN2 = _PreTokenization(splits=(_QWEN2_SPLIT,), nfc=True)
 _LLAMA3 = _PreTokenization(splits=(_LLAMA3_SPLIT,), ignore_merges=True)
+_DEEPSEEK_V3 = _PreTokenization(splits=_DEEPSEEK_V3_SPLITS)
 # llama.cpp's names (its converter picks one by hashing the tokenizer's output on a probe text).
 _PRE_TOKENIZATIONS = {
     "default": _GPT2,
@@ -73,10 +74,10 @@ _PRE_TOKENIZATIONS = {
     "llama-bpe": _LLAMA3,  # R1-Distill-Llama: Llama 3's tokenizer ...
     "smaug-bpe": _LLAMA3,  # ... as llama.cpp's converter now names it (same split)
     "deepseek-llm": _PreTokenization(splits=_DEEPSEEK_LLM_SPLITS, individual_digits=True),
-    "deepseek-v3": _PreTokenization(splits=_DEEPSEEK_V3_SPLITS),
+    "deepseek-v3": _DEEPSEEK_V3,
     # V3 / R1 / V3.1 as llama.cpp's converter names them now: its probe text cannot tell
     # DeepSeek-V3's tokenizer from JoyAI's, and it lists joyai-llm first (same split).
-    "joyai-llm": _PreTokenization(splits=_DEEPSEEK_V3_SPLITS),
+    "joyai-llm": _DEEPSEEK_V3,
 }
 
 

@@ -203,10 +203,9 @@ def test_unknown_gating_and_missing_halves_are_refused(converted):
     )
     with pytest.raises(ValueError, match="lacks deepseek2.attention.kv_lora_rank"):
         hf_config(reader)
-    cfg = read_model_config(path)
     only_k = [("blk.0.attn_k_b.weight", torch.zeros(4, 16, 16))]
     with pytest.raises(ValueError, match=r"layers \['0'\] lack attn_k_b or attn_v_b"):
-        list(hf_tensors(only_k, cfg, lambda n: n))
+        list(hf_tensors(only_k, lambda n: n))
 
 
 def test_an_int4_artifact_compiled_from_a_q4_file_keeps_its_blocks(tmp_path):
