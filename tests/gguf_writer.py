@@ -54,21 +54,115 @@ def _converted_tensors(state: dict[str, torch.Tensor], hp: dict[str, Any]):  # n
         yield f"model.layers.{block}.mlp.experts.{kind}.weight", stack
 
 
-def _add_tensor(writer: gguf.GGUFWriter, name: str, w: torch.Tensor, qtype: str) -> None:
+def _add_tensor(
+    writer: gguf.GGUFWriter, name: str, w: torch.Tensor, qtype: str, layers: int = 0
+) -> None:
     arr = w.float().contiguous().numpy()
     keep_f32 = arr.ndim == 1 or any(k in name for k in _F32_KINDS) or arr.shape[-1] % 32
     if qtype == "F32" or keep_f32:
         writer.add_tensor(name, arr)
         return
+    if qtype == "Q4_K_M":
+        qtype = q4_k_m_type(name, layers)
+    if qtype in _K_QUANTS and arr.shape[-1] % 256:  # rows not whole super-blocks
+        qtype = _K_FALLBACK[qtype]
     kind = gguf.GGMLQuantizationType[qtype]
-    writer.add_tensor(name, gguf.quants.quantize(arr, kind), raw_dtype=kind)
+    writer.add_tensor(name, quantize(arr, qtype), raw_dtype=kind)
+
+
+def quantize(arr: np.ndarray, qtype: str) -> np.ndarray:
+    """`arr` [..., K] as GGUF blocks of `qtype` (the gguf package's quantisers, and ours for
+    the K-quants it only reads)."""
+    if qtype in _K_QUANTS:
+        return _K_QUANTS[qtype](arr.reshape(-1, 256)).reshape(*arr.shape[:-1], -1)
+    return gguf.quants.quantize(arr, gguf.GGMLQuantizationType[qtype])
+
+
+def q4_k_m_type(name: str, layers: int) -> str:
+    """The type llama-quantize's Q4_K_M gives a matrix (src/llama-quant.cpp, simplified to
+    what DeepSeek-V2/V3 and Llama files hold): Q6_K for the output, attn_v and ffn_down (dense,
+    shared or routed) in the layers `use_more_bits` picks, Q4_K for the rest (rows that are
+    not whole super-blocks of 256 then fall back, as there: _K_FALLBACK)."""
+    parts = name.split(".")
+    block = int(parts[1]) if parts[0] == "blk" else -1
+    more = block < layers // 8 or block >= 7 * layers // 8 or (block - layers // 8) % 3 == 2
+    kind = parts[2] if parts[0] == "blk" else name
+    wide = name == "output.weight" or (more and (kind == "attn_v" or kind.startswith("ffn_down")))
+    return "Q6_K" if wide else "Q4_K"
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Super-blocks of 256 [n, 256] → Q4_K bytes [n, 144]: per group of 32 a min/max scale and
+    minimum, both as 6-bit multiples of the block's fp16 d and dmin (llama.cpp searches
+    for better ones; any valid choice serves a reader's test), codes 0..15."""
+    n = x.shape[0]
+    g = x.reshape(n, 8, 32).astype(np.float32)
+    lo = np.minimum(g.min(-1), 0.0)  # x = scale·q − minimum, minimum ≥ 0
+    scale = (g.max(-1) - lo) / 15.0
+    d = _f16(scale.max(-1) / 63.0)
+    dmin = _f16(-lo.min(-1) / 63.0)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63)
+    mn = np.clip(np.round(np.divide(-lo, dminf, out=np.zeros_like(lo), where=dminf > 0)), 0, 63)
+    step, offset = df * sc, dminf * mn  # [n, 8]
+    q = np.round(
+        np.divide(
+            g + offset[..., None], step[..., None], out=np.zeros_like(g), where=step[..., None] > 0
+        )
+    )
+    q = np.clip(q, 0, 15).astype(np.uint8)  # [n, 8, 32]
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    scales = np.empty((n, 12), dtype=np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, 128)  # groups 2j (low) and 2j+1 (high)
+    head = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8)], axis=1)
+    return np.concatenate([head.reshape(n, 4), scales, qs], axis=1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Super-blocks of 256 [n, 256] → Q6_K bytes [n, 210]: per 16 weights an int8 multiple of
+    the block's fp16 d as scale, codes −32..31 (stored +32: 4 low bits in ql, 2 high in qh)."""
+    n = x.shape[0]
+    g = x.reshape(n, 16, 16).astype(np.float32)
+    scale = np.abs(g).max(-1) / 31.0  # [n, 16]
+    d = _f16(np.abs(scale).max(-1) / 127.0)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127)
+    step = (df * sc)[..., None]
+    q = np.round(np.divide(g, step, out=np.zeros_like(g), where=step > 0))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [n, half, k, l]
+    low, high = q & 15, q >> 4
+    ql = np.concatenate(
+        [low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=-1
+    )  # [n, half, 64]: byte (k % 2)·32 + l holds k < 2 low, k ≥ 2 high
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    return np.concatenate(
+        [
+            ql.reshape(n, 128),
+            qh.reshape(n, 64),
+            sc.astype(np.int8).view(np.uint8),
+            d[:, None].view(np.uint8).reshape(n, 2),
+        ],
+        axis=1,
+    )
+
+
+_K_QUANTS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+_K_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama-quantize's, for rows of 32-blocks only
 
 
 def write_deepseek2(
     src: Path, dst: Path, qtype: str = "F32", vocab: list[str] | None = None
 ) -> Path:
     """The HF checkpoint in `src` (written by save_pretrained) → a deepseek2 GGUF at `dst`.
-    qtype: F32, Q8_0, Q4_0 or Q4_1 for the weight matrices whose rows are whole blocks."""
+    qtype: F32, Q8_0, Q4_0, Q4_1, Q4_K or Q6_K for the weight matrices whose rows are whole
+    blocks, or Q4_K_M: llama-quantize's mix of them (q4_k_m_type)."""
     hp = json.loads((src / "config.json").read_text())
     writer = gguf.GGUFWriter(str(dst), gguf.MODEL_ARCH_NAMES[ARCH])
     add_deepseek2_metadata(writer, hp)
@@ -79,7 +173,7 @@ def write_deepseek2(
         hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"the gguf package's table has no name for {hf}"
-        _add_tensor(writer, name, w, qtype)
+        _add_tensor(writer, name, w, qtype, hp["num_hidden_layers"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -26,7 +26,7 @@ from dsinfer.artifact.signing import sign_dir
 from dsinfer.artifact.weights_io import save_weights
 from dsinfer.config import QUANTISED_SCHEMES, parse_dtype
 from dsinfer.layers.int4_pack import int4_pack_layout
-from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, plan_formats, quantize_model
+from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, layer_formats, quantize_model
 from dsinfer.models.gguf_file import native_scheme, open_gguf
 from dsinfer.models.loader import LoadedModel, load_model, resolve_model_path
 from dsinfer.progress import progress
@@ -88,7 +88,7 @@ def _write_contents(
 ) -> Manifest:
     exceptions: dict[str, str] = {}
     if prequantised:  # loaded in the scheme's layout already (a Q4 GGUF's blocks, as they are)
-        exceptions = plan_formats(loaded.model, opts.quant, opts.group_size)
+        exceptions = layer_formats(loaded.model, opts.quant)
     elif opts.quant in QUANTISED_SCHEMES:
         # Quantised from the fp32 load; the scales and every float tensor left take `dtype`.
         exceptions = quantize_model(loaded.model, opts.quant, opts.group_size, dtype)
@@ -164,10 +164,11 @@ def _replace(tmp: Path, out: Path) -> None:
 
 
 def _q4_gguf_to_int4(src: str, opts: CompileOptions) -> bool:
-    """Whether `src` is a GGUF of Q4_0 / Q4_1 projections compiled to int4 in groups of 32:
-    then its blocks are packed as they are (models/gguf_int4.py), where a float load and our
-    min/max quantiser would move the blocks whose codes miss 0 or 15 to another grid (a
-    Q4_0 block's, usually) and need the whole model in fp32 (64 GiB for DeepSeek-V2-Lite)."""
+    """Whether `src` is a GGUF of 4-bit projections (Q4_0 / Q4_1 / Q4_K) compiled to int4 in
+    groups of 32: then its blocks are packed as they are (models/gguf_int4.py), where a float
+    load and our min/max quantiser would move the blocks whose codes miss 0 or 15 to another
+    grid (a Q4_0 block's, usually) and need the whole model in fp32 (64 GiB for
+    DeepSeek-V2-Lite). The artifact's layer formats are read back from the loaded model."""
     path = resolve_model_path(src)
     if not (path.is_file() and opts.quant == "int4" and opts.group_size == 32):
         return False

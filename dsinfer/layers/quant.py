@@ -182,6 +182,7 @@ def register_method(scheme: str, device_type: str):  # noqa: ANN201
     def register(cls: type) -> type:
         table = _EXPERTS_METHODS if issubclass(cls, ExpertsMethod) else _LINEAR_METHODS
         table[(scheme, device_type)] = cls
+        cls.scheme = scheme  # type: ignore[attr-defined]  # what `layer_formats` reads back
         return cls
 
     return register
@@ -450,23 +451,30 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.T
 
 
 @torch.no_grad()
-def quantize_int4(
-    weight: torch.Tensor, group_size: int, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Asymmetric min/max int4 per group of `group_size` input columns."""
+def int4_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+    """Asymmetric min/max int4 per group of `group_size` input columns: codes [out, in]
+    (uint8, 0..15), scale and zero [out, in / group_size] fp32 such that the kernel's
+    (q − 8)·scale + zero gives the weight back."""
     out_f, in_f = weight.shape
     w = weight.float().reshape(out_f, in_f // group_size, group_size)  # [out, groups, G]
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
     scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
     # The kernel computes (q − 8) · scale + zero, so zero sits at the group's midpoint.
-    zero = lo + 8.0 * scale
-    # The stored layout is torch's CPU int4pack wherever the weight is quantised (an
-    # accelerator's method repacks it for its kernel after loading: quant_device.py).
-    codes = q.reshape(out_f, in_f).cpu()
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1).to(weight.device)
+    return q.reshape(out_f, in_f), scale, lo + 8.0 * scale
+
+
+@torch.no_grad()
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """`int4_codes` in the stored layout: torch's CPU int4pack wherever the weight is
+    quantised (an accelerator's method repacks it for its kernel after loading:
+    quant_device.py) and scale | zero pairs [groups, out, 2]."""
+    q, scale, zero = int4_codes(weight, group_size)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.cpu().to(torch.int32), 1)
     scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [groups, out, 2]
-    return {"qweight": packed, "scales_zeros": scales_zeros.to(dtype)}
+    return {"qweight": packed.to(weight.device), "scales_zeros": scales_zeros.to(dtype)}
 
 
 @register_method("int8", "cpu")
@@ -603,13 +611,16 @@ class Int4ExpertsMethod(ExpertsMethod):
 
     @torch.no_grad()
     def quantize(self, experts: RoutedExperts, dtype: torch.dtype) -> None:
-        """Float experts → this layout, in place (each expert as an int4 Linear would be)."""
+        """Float experts → this layout, in place (each expert as an int4 Linear would be);
+        the codes of a whole stack packed in one pass."""
         tensors = {}
         for which in ("13", "2"):
             w = getattr(experts, f"w{which}")
-            parts = [quantize_int4(w[e], self.group_size, dtype) for e in range(w.shape[0])]
-            tensors[f"q{which}"] = torch.stack([p["qweight"] for p in parts])
-            tensors[f"sz{which}"] = torch.stack([p["scales_zeros"] for p in parts])
+            parts = [int4_codes(w[e], self.group_size) for e in range(w.shape[0])]
+            tensors[f"q{which}"] = int4pack_from_codes(torch.stack([p[0] for p in parts]))
+            scale, zero = (torch.stack([p[i] for p in parts]) for i in (1, 2))  # [E, out, G]
+            sz = torch.stack([scale.transpose(1, 2), zero.transpose(1, 2)], dim=-1)
+            tensors[f"sz{which}"] = sz.to(dtype).contiguous()  # [E, G, out, 2]
         experts.set_method(self)
         for name, value in tensors.items():
             getattr(experts, name).data = value
@@ -668,6 +679,14 @@ def plan_formats(model: nn.Module, scheme: str, group_size: int) -> dict[str, st
     return exceptions
 
 
+def layer_formats(model: nn.Module, scheme: str) -> dict[str, str]:
+    """{module: format} of a quantised model's layers and expert stacks whose format is not
+    `scheme` (plan_formats' dict, read back from the methods the model holds)."""
+    modules = [*quantizable_linears(model), *routed_experts(model)]
+    found = {name: getattr(m.method, "scheme", "float") for name, m in modules}
+    return {name: fmt for name, fmt in found.items() if fmt != scheme}
+
+
 @torch.no_grad()
 def quantize_model(
     model: nn.Module, scheme: str, group_size: int, dtype: torch.dtype, device_type: str = "cpu"
@@ -675,14 +694,92 @@ def quantize_model(
     """Quantise every eligible Linear and expert stack in place; returns plan_formats' dict
     (the artifact records it so the runtime rebuilds the same layout)."""
     exceptions = plan_formats(model, scheme, group_size)
-    for name, layer in quantizable_linears(model):
-        fmt = exceptions.get(name, scheme)
-        if fmt != "float":
-            apply_format(layer, fmt, group_size, dtype, device_type)
-    for name, experts in routed_experts(model):
-        method = experts_method(exceptions.get(name, scheme), group_size, device_type)
-        method.quantize(experts, dtype)  # type: ignore[attr-defined]
+    QuantiseOnLoad(model, scheme, group_size, dtype, exceptions, device_type).finish()
     return exceptions
+
+
+class QuantiseOnLoad:
+    """Quantises each layer as soon as the loader has filled its float weight (called with
+    each parameter name the loader completes), so a float checkpoint becomes int4/int8 one
+    layer at a time: the process holds the quantised model plus one layer's floats, never the
+    whole float model (parameters are allocated untouched, so those not yet loaded cost no
+    memory). `finish` quantises what is still float at the end (a head tied to the embedding,
+    or a whole model loaded before)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        scheme: str,
+        group_size: int,
+        dtype: torch.dtype,
+        formats: dict[str, str],
+        device_type: str = "cpu",
+    ) -> None:
+        self._scheme, self._group, self._dtype = scheme, group_size, dtype
+        self._formats, self._device = formats, device_type
+        self._linears = quantizable_linears(model)
+        self._experts = routed_experts(model)
+        self._by_param: dict[str, tuple[str, nn.Module]] = {
+            f"{n}.weight": (n, m) for n, m in self._linears
+        }
+        for n, m in self._experts:
+            self._by_param.update({f"{n}.w13": (n, m), f"{n}.w2": (n, m)})
+        self._filled: dict[str, set[str]] = {}
+
+    def __call__(self, param: str) -> None:
+        found = self._by_param.get(param)
+        if found is None:
+            return
+        name, module = found
+        if isinstance(module, RoutedExperts):
+            filled = self._filled.setdefault(name, set())
+            filled.add(param)
+            if len(filled) == 2:  # w13 and w2
+                self._experts_done(name, module)
+        else:
+            self._linear_done(name, module)  # type: ignore[arg-type]
+
+    def finish(self) -> None:
+        for name, layer in self._linears:
+            self._linear_done(name, layer)
+        for name, experts in self._experts:
+            self._experts_done(name, experts)
+
+    def _linear_done(self, name: str, layer: Linear) -> None:
+        fmt = self._formats.get(name, self._scheme)
+        if fmt != "float" and "weight" in layer.method.tensor_names:  # still the float weight
+            apply_format(layer, fmt, self._group, self._dtype, self._device)
+
+    def _experts_done(self, name: str, experts: RoutedExperts) -> None:
+        if "w13" in experts.method.tensor_names:  # still the float stacks
+            fmt = self._formats.get(name, self._scheme)
+            method = experts_method(fmt, self._group, self._device)
+            method.quantize(experts, self._dtype)  # type: ignore[attr-defined]
+
+
+# Bytes a weight takes stored in a format: int4 codes two to a byte and a bf16 scale and zero
+# per group of 32; int8 one byte (its per-row scale is negligible).
+_STORED_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0}
+
+
+def planned_bytes(model: nn.Module, scheme: str, formats: dict[str, str]) -> tuple[int, int]:
+    """(bytes of `model`'s parameters once loaded under `scheme` with `formats`, bytes of its
+    largest float layer or expert stack that is quantised: QuantiseOnLoad holds one at a
+    time beside the rest). Parameters in the model's dtype as built (unquantised)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = 0
+    if scheme not in QUANTISED_SCHEMES:
+        return total, 0
+    modules = [*quantizable_linears(model), *routed_experts(model)]
+    for name, module in modules:
+        fmt = formats.get(name, scheme)
+        if fmt not in _STORED_BYTES:
+            continue
+        weights = [getattr(module, n) for n in module.method.tensor_names if n.startswith("w")]
+        floats = sum(w.numel() * w.element_size() for w in weights)
+        total += int(sum(w.numel() for w in weights) * _STORED_BYTES[fmt]) - floats
+        largest = max(largest, floats)
+    return total, largest
 
 
 def prepare_quantized(

@@ -19,7 +19,7 @@ import torch
 
 from dsinfer.config import ModelConfig, RopeConfig
 from dsinfer.models import gguf_deepseek
-from dsinfer.models.gguf_reader import GGUFFile
+from dsinfer.models.gguf_reader import GGUFFile, GGUFTensor
 from dsinfer.models.registry import config_from_hf
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -143,40 +143,70 @@ def hf_name(gguf_name: str) -> str | None:
     return None if whole is None else f"model.layers.{parts[1]}.{whole}"
 
 
-# GGUF block types our weight-only layouts hold without loss of the grid: Q4_0/Q4_1 are 4-bit
-# codes in groups of 32 with a scale (and minimum), as our int4 groups of 32; Q8_0 is 8-bit.
-_NATIVE_SCHEME = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+# The weight-only format each GGUF block type loads into. Q4_0 / Q4_1 / Q4_K are 4-bit codes in
+# groups of 32 with a scale and a minimum, as our int4 groups of 32 are: exact (q4_codes).
+# Types of more bits (Q5_*, Q6_K, Q8_0) keep 8 bits: int8 per row, requantised from their
+# values, never fewer bits than the file chose (llama.cpp's *_M mixes give the layers that
+# matter most Q6_K). Q2_K / Q3_K have no format of ours; int4 in groups of 32 is the nearest.
+_NATIVE_FORMAT = {
+    "Q4_0": "int4",
+    "Q4_1": "int4",
+    "Q4_K": "int4",
+    "Q2_K": "int4",
+    "Q3_K": "int4",
+    "Q5_0": "int8",
+    "Q5_1": "int8",
+    "Q5_K": "int8",
+    "Q6_K": "int8",
+    "Q8_0": "int8",
+}
+# The types whose blocks are our int4 groups of 32 as they are (q4_codes reads them).
+EXACT_INT4 = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def native_format(qname: str) -> str | None:
+    """The format a tensor of this GGUF type loads into (int4 | int8), None for floats."""
+    return _NATIVE_FORMAT.get(qname)
 
 
 def native_scheme(reader: GGUFFile) -> str:
-    """The weight-only scheme matching this GGUF's projection weights (int4 | int8), or
-    "none" when they are float or of mixed or other types. Left out: the token embedding (it
-    is looked up, not multiplied), the LM head (int8 under int4 whatever the file holds;
-    llama.cpp's Q4 files keep it Q6_K), MoE routers (llama.cpp keeps them F32) and float
-    matrices beside quantised ones (llama.cpp leaves those whose rows are not whole blocks)."""
-    kinds = set()
+    """The weight-only scheme matching this GGUF's projection weights (int4 | int8): the
+    format that holds most of their weights (a Q4_K_M file's Q4_K bulk: int4, its Q6_K
+    layers then int8, layer by layer); "none" when they are float. Left out: the token
+    embedding (it is looked up, not multiplied), the LM head (int8 under int4 whatever the
+    file holds; llama.cpp's Q4 files keep it Q6_K), MoE routers (llama.cpp keeps them F32)
+    and float matrices beside quantised ones (llama.cpp leaves those whose rows are not whole
+    blocks)."""
+    weights = {"int4": 0, "int8": 0}
     for t in reader.tensors:
         if len(t.shape) < 2 or t.name in _NOT_PROJECTIONS or ".ffn_gate_inp." in t.name:
             continue
-        if t.tensor_type.name not in _FLOAT_TYPES:
-            kinds.add(_NATIVE_SCHEME.get(t.tensor_type.name, "none"))
-    return kinds.pop() if len(kinds) == 1 else "none"
+        fmt = native_format(t.tensor_type.name)
+        if fmt is not None:
+            weights[fmt] += int(np.prod(t.shape, dtype=np.int64))
+    if not any(weights.values()):
+        return "none"
+    return max(weights, key=lambda f: weights[f])
 
 
 _NOT_PROJECTIONS = frozenset({"token_embd.weight", "output.weight"})
-_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
-# Bytes per block of 32 weights: fp16 scale (and fp16 minimum for Q4_1), then the codes.
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# Bytes per block: Q4_0 / Q4_1 / Q8_0 hold 32 weights (fp16 scale, fp16 minimum for Q4_1,
+# then the codes); Q4_K 256 (fp16 d and dmin, 12 bytes of 6-bit scales and minima, 128 of
+# codes).
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}
 
 
 def q4_codes(
     data: np.ndarray, qname: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A Q4_0 / Q4_1 tensor's blocks of 32 → codes [blocks, 32] (uint8, 0..15), the fp16 scale
-    d and, for Q4_1, the minimum m as fp32 [blocks, 1]. Q4_0 x = d·(q − 8); Q4_1 x = d·q + m.
-    The codes of weights 0..15 are the low nibbles of the 16 code bytes, 16..31 the high ones."""
+    """A Q4_0 / Q4_1 / Q4_K tensor's groups of 32 → codes [groups, 32] (uint8, 0..15), the
+    scale d and the minimum m (None for Q4_0) as fp32 [groups, 1]: Q4_0 x = d·(q − 8); Q4_1
+    and Q4_K x = d·q + m. In a Q4_0 / Q4_1 block the codes of weights 0..15 are the low
+    nibbles of its 16 code bytes, 16..31 the high ones."""
+    if qname == "Q4_K":
+        return _q4k_codes(data)
     raw = _file_bytes(data).view(-1, _BLOCK_BYTES[qname])
     d = raw[:, 0:2].contiguous().view(torch.float16).float()
     codes = raw[:, 4:] if qname == "Q4_1" else raw[:, 2:]
@@ -185,6 +215,27 @@ def q4_codes(
     torch.bitwise_and(codes, 15, out=out[:, :16])
     torch.bitwise_right_shift(codes, 4, out=out[:, 16:])
     return out, d, m
+
+
+def _q4k_codes(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks of 256 → 8 groups of 32 each: x = (d·sc_j)·q − dmin·mn_j, so the
+    group's scale is d·sc_j and its minimum −dmin·mn_j (sc_j, mn_j: 6-bit, packed in 12 bytes:
+    bytes 0..3 hold sc_0..3 in their low 6 bits, 4..7 mn_0..3; sc_4..7 and mn_4..7 take their
+    low 4 bits from bytes 8..11 (low / high nibble) and their top 2 bits from the top 2 bits
+    of bytes 0..3 / 4..7). Each 32 code bytes hold two groups: 2j in the low nibbles, 2j + 1
+    in the high ones. The products are fp32, as llama.cpp and the gguf package compute them."""
+    raw = _file_bytes(data).view(-1, _BLOCK_BYTES["Q4_K"])
+    n = raw.shape[0]
+    d = raw[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
+    dmin = raw[:, 2:4].contiguous().view(torch.float16).float()
+    lo_sc, lo_mn, high = raw[:, 4:8], raw[:, 8:12], raw[:, 12:16]  # [n, 4] each
+    sc = torch.cat([lo_sc & 63, (high & 15) | ((lo_sc >> 6) << 4)], dim=1)  # [n, 8]
+    mn = torch.cat([lo_mn & 63, (high >> 4) | ((lo_mn >> 6) << 4)], dim=1)
+    qs = raw[:, 16:].reshape(n, 4, 1, 32)  # [n, chunk, 1, 32]
+    codes = torch.cat([qs & 15, qs >> 4], dim=2)  # [n, chunk, nibble, 32]: group 2·chunk + nibble
+    scale = (d * sc.float()).reshape(-1, 1)  # [n·8, 1]
+    minimum = -(dmin * mn.float()).reshape(-1, 1)
+    return codes.reshape(-1, 32), scale, minimum
 
 
 def _file_bytes(data: np.ndarray) -> torch.Tensor:
@@ -196,13 +247,14 @@ def _file_bytes(data: np.ndarray) -> torch.Tensor:
 
 
 def _fast_dequantize(data: np.ndarray, qname: str) -> torch.Tensor | None:
-    """Q4_0 / Q4_1 / Q8_0 blocks → flat fp32 with torch's vectorised ops (the gguf package's
-    numpy path took ~5 s for SmolLM2, this ~0.3 s); None for other types. Q8_0 x = d·q."""
+    """Q4_0 / Q4_1 / Q4_K / Q8_0 blocks → flat fp32 with torch's vectorised ops (the gguf
+    package's numpy path took ~5 s for SmolLM2, this ~0.3 s); None for other types. Q8_0
+    x = d·q."""
     if qname == "Q8_0":
         raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).view(-1, 34)
         d = raw[:, 0:2].contiguous().view(torch.float16).float()
         return (raw[:, 2:].contiguous().view(torch.int8).float() * d).reshape(-1)
-    if qname not in ("Q4_0", "Q4_1"):
+    if qname not in EXACT_INT4:
         return None
     q, d, m = q4_codes(data, qname)
     return (q.float() * d + m if m is not None else (q.float() - 8) * d).reshape(-1)
@@ -236,19 +288,25 @@ def _dequantised(
     for t in reader.tensors:
         if t.name in skip:
             continue
-        qname = t.tensor_type.name
-        if qname not in _SUPPORTED_QTYPES:
-            raise ValueError(
-                f"GGUF tensor {t.name} uses quantisation {qname}, which dsinfer "
-                f"cannot dequantise; supported: {sorted(_SUPPORTED_QTYPES)}"
-            )
-        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
-        w = _fast_dequantize(t.data, qname)
-        if w is None:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            arr = np.ascontiguousarray(arr, dtype=np.float32)
-            if not arr.flags.writeable:  # F32 tensors come back as a read-only view of the mmap
-                arr = arr.copy()
-            w = torch.from_numpy(arr)
+        w = dequantised(t)
         reader.release(t)  # copied out: the file's pages need not stay resident
-        yield t.name, w.reshape(shape)
+        yield t.name, w
+
+
+def dequantised(t: GGUFTensor) -> torch.Tensor:
+    """One GGUF tensor as fp32 in torch's dim order (a copy: the file map stays unwritten)."""
+    qname = t.tensor_type.name
+    if qname not in _SUPPORTED_QTYPES:
+        raise ValueError(
+            f"GGUF tensor {t.name} uses quantisation {qname}, which dsinfer "
+            f"cannot dequantise; supported: {sorted(_SUPPORTED_QTYPES)}"
+        )
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+    w = _fast_dequantize(t.data, qname)
+    if w is None:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not arr.flags.writeable:  # F32 tensors come back as a read-only view of the mmap
+            arr = arr.copy()
+        w = torch.from_numpy(arr)
+    return w.reshape(shape)

@@ -1,14 +1,18 @@
-"""A Q4_0 / Q4_1 GGUF straight into the int4 layout: no float copy of the projections.
+"""A 4-bit GGUF (Q4_0, Q4_1, Q4_K_M, …) straight into the int4 layout: no float copy.
 
 GGUF's 4-bit blocks are our int4 groups of 32: a Q4_1 block is x = d·q + m, which is
 (q − 8)·d + (m + 8d), our (q − 8)·scale + zero with scale = d and zero = m + 8d; a Q4_0 block
-is x = d·(q − 8), zero = 0. So the codes are packed for the kernel as they are, and only d and
-m are converted (fp16 → the activation dtype of the scales). The fused projections (q|k|v,
+is x = d·(q − 8), zero = 0; a Q4_K super-block is 8 such groups, each with its own scale and
+minimum. So the codes are packed for the kernel as they are, and only the scales and minima
+are converted (fp32 → the activation dtype of the scales). The fused projections (q|k|v,
 gate|up) are packed once all their checkpoint shards have arrived. DeepSeek's routed experts
 (one [E, out, in] stack per projection, gguf_deepseek.py) are packed the same way, a whole
-stack in one pass, when all their stacks are Q4. Everything else (norms, the embedding, a
-layer or expert stack the file does not hold as Q4) is dequantised and loaded as before, then
-quantised to its planned format as `dsinfer compile` would (the LM head to int8).
+stack in one pass, when their gate and up stacks are 4-bit (a Q4_K_M file's Q6_K down stack
+is quantised to int4 beside them: a stack has one format). Everything else (norms, the
+embedding, layers of other types) is dequantised one tensor at a time and quantised as each
+layer completes (QuantiseOnLoad): under `--quantization auto` a layer the file holds in 5 to
+8 bits (a Q4_K_M file's Q6_K and Q5_0 layers) becomes int8, never fewer bits than the file
+chose (`keep_file_precision`); under `int4` it becomes int4, as `dsinfer compile` would.
 """
 
 from __future__ import annotations
@@ -24,23 +28,30 @@ from dsinfer.layers.int4_pack import int4_block_rows, int4pack_from_codes
 from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.moe import RoutedExperts
 from dsinfer.layers.quant import (
-    apply_format,
     experts_method,
+    int4_codes,
     quant_method,
     quantizable_linears,
     routed_experts,
 )
 from dsinfer.models.gguf_deepseek import expert_stacks
-from dsinfer.models.gguf_file import hf_name, permuted_heads, q4_codes, unpermute_rows
+from dsinfer.models.gguf_file import (
+    EXACT_INT4,
+    dequantised,
+    hf_name,
+    native_format,
+    permuted_heads,
+    q4_codes,
+    unpermute_rows,
+)
 from dsinfer.models.gguf_reader import GGUFFile, GGUFTensor
 
 logger = logging.getLogger(__name__)
 GROUP = 32
-_Q4 = ("Q4_0", "Q4_1")  # the GGUF types whose blocks are int4 groups of 32 as they are
 
 
 def q4_blocks(data: np.ndarray, qname: str, rows: int) -> tuple[torch.Tensor, ...]:
-    """One Q4_0/Q4_1 tensor's bytes → codes [rows, K] (uint8, 0..15), scale and zero
+    """One Q4_0/Q4_1/Q4_K tensor's bytes → codes [rows, K] (uint8, 0..15), scale and zero
     [rows, K / 32] fp32 such that x = (q − 8)·scale + zero."""
     q, d, m = q4_codes(data, qname)
     zero = m + 8 * d if m is not None else torch.zeros_like(d)
@@ -59,7 +70,7 @@ def pack_gguf_int4(
     direct: set[str] = set()
     for t in reader.tensors:
         name = hf_name(t.name)
-        if t.tensor_type.name not in _Q4 or name is None:
+        if t.tensor_type.name not in EXACT_INT4 or name is None:
             continue
         target, shard = fused_target(name, packed)
         module = target.removesuffix(".weight")
@@ -83,15 +94,16 @@ def pack_gguf_int4(
 def _pack_experts(
     net: nn.Module, reader: GGUFFile, formats: dict[str, str], dtype: torch.dtype
 ) -> set[str]:
-    """Every int4-format stack of routed experts whose GGUF stacks are all Q4, packed from
-    the blocks; the GGUF names consumed."""
+    """Every int4-format stack of routed experts whose GGUF gate and up stacks are 4-bit,
+    packed from the blocks (a down stack of another type quantised to int4); the GGUF names
+    consumed."""
     stacks = expert_stacks(reader)
     direct: set[str] = set()
     for name, experts in routed_experts(net):
         found = stacks.get(name)
         if formats.get(name, "int4") != "int4" or found is None:
             continue
-        if any(t.tensor_type.name not in _Q4 for t in found.values()):
+        if any(t.tensor_type.name not in EXACT_INT4 for k, t in found.items() if k != "down"):
             continue
         _pack_expert_stacks(experts, found, dtype)
         for t in found.values():
@@ -110,7 +122,10 @@ def _pack_expert_stacks(
     def codes(t: GGUFTensor) -> tuple[torch.Tensor, ...]:
         # GGUF dims [in, out, E] innermost first → codes [E, out, in], scale / zero [E, out, G]
         out_f, in_f = int(t.shape[1]), int(t.shape[0])
-        q, scale, zero = q4_blocks(t.data, t.tensor_type.name, rows=n * out_f)
+        if t.tensor_type.name in EXACT_INT4:
+            q, scale, zero = q4_blocks(t.data, t.tensor_type.name, rows=n * out_f)
+        else:  # another type (a Q4_K_M file's Q6_K down): its values, quantised as compile would
+            q, scale, zero = int4_codes(dequantised(t).view(n * out_f, in_f), GROUP)
         return q.view(n, out_f, in_f), scale.view(n, out_f, -1), zero.view(n, out_f, -1)
 
     def packed(*stacks: GGUFTensor) -> tuple[torch.Tensor, ...]:
@@ -140,18 +155,35 @@ def _pack_expert_stacks(
         getattr(experts, f"sz{which}").data = sz.to(dtype).contiguous()
 
 
-def finish_gguf_int4(net: nn.Module, dtype: torch.dtype, formats: dict[str, str]) -> None:
-    """After the generic load, what the file did not hold as Q4 takes its planned format
-    (`formats`, as pack_gguf_int4 had them), as `dsinfer compile` gives it: layers (the LM
-    head → int8; a Q8_0 / F16 / K-quant layer → int4 from its float copy) and expert stacks."""
-    for name, layer in quantizable_linears(net):
-        fmt = formats.get(name, "int4")
-        if fmt != "float" and "weight" in layer.method.tensor_names:  # still the float weight
-            apply_format(layer, fmt, GROUP, dtype)
-    for name, experts in routed_experts(net):
-        if "w13" in experts.method.tensor_names:  # still the float stacks
-            experts_method(formats.get(name, "int4"), GROUP).quantize(experts, dtype)  # type: ignore[attr-defined]
-    logger.info("GGUF Q4 weights loaded as int4 without a float copy")
+def keep_file_precision(
+    net: nn.Module, reader: GGUFFile, formats: dict[str, str]
+) -> dict[str, str]:
+    """`formats` (plan_formats under int4) with every int4 layer the file holds in more than
+    4 bits made int8, and every int4 expert stack whose gate and up it holds so: a Q4_K_M
+    file's Q6_K / Q5_0 / Q8_0 layers keep 8 bits, never fewer than the file chose. A fused
+    layer (q|k|v, gate|up) is int8 when any of its parts is."""
+    packed: dict[str, tuple[str, str]] = getattr(net, "packed_modules", {})
+    eight_bit: set[str] = set()
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is not None and native_format(t.tensor_type.name) == "int8":
+            eight_bit.add(fused_target(name, packed)[0].removesuffix(".weight"))
+    stacks = expert_stacks(reader)
+    kept = dict(formats)
+    for name, _ in quantizable_linears(net):
+        if name in eight_bit and formats.get(name, "int4") == "int4":
+            kept[name] = "int8"
+    for name, _ in routed_experts(net):
+        parts = [t for k, t in stacks.get(name, {}).items() if k != "down"]
+        wide = any(native_format(t.tensor_type.name) == "int8" for t in parts)
+        if wide and formats.get(name, "int4") == "int4":
+            kept[name] = "int8"
+    if kept != formats:
+        logger.info(
+            "%d layers the file holds in 5 to 8 bits load as int8 (--quantization int4: int4)",
+            len(kept) - len(formats),
+        )
+    return kept
 
 
 def _pack(layer: Linear, shards: dict[str | None, tuple[torch.Tensor, ...]], dtype) -> None:  # noqa: ANN001

@@ -12,7 +12,8 @@ import importlib.util
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,13 @@ from dsinfer.device import native_bf16_matmul
 from dsinfer.device.host_memory import available_bytes, release_freed_memory
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import default_weight_loader, fused_target
-from dsinfer.layers.quant import has_method, plan_formats, prepare_quantized, quantize_model
+from dsinfer.layers.quant import (
+    QuantiseOnLoad,
+    has_method,
+    plan_formats,
+    planned_bytes,
+    prepare_quantized,
+)
 from dsinfer.layers.quant_device import DEVICE_TYPES as QUANTISED_ON_ACCELERATORS
 from dsinfer.models.fp8_checkpoint import checkpoint_quantization, dequantized
 from dsinfer.models.gguf_file import (
@@ -36,7 +43,7 @@ from dsinfer.models.gguf_file import (
     release_gguf_maps,
 )
 from dsinfer.models.gguf_int4 import GROUP as GGUF_INT4_GROUP
-from dsinfer.models.gguf_int4 import finish_gguf_int4, pack_gguf_int4
+from dsinfer.models.gguf_int4 import keep_file_precision, pack_gguf_int4
 from dsinfer.models.registry import config_from_hf, model_class
 from dsinfer.progress import progress
 
@@ -145,13 +152,17 @@ def unsplit() -> bool:
 
 
 def load_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], preloaded: set[str] = frozenset()
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    preloaded: set[str] = frozenset(),
+    on_filled: Callable[[str], None] | None = None,
 ) -> None:
     """Copy checkpoint tensors into `model`, mapping fused projections; fail on any mismatch.
 
     A parameter fused from several checkpoint tensors lists them in `param.shards`; a model may
     define `map_checkpoint_name(name) -> (target, shard) | None` for names the generic
-    `packed_modules` rule cannot express (None: use the generic rule; target "": skip)."""
+    `packed_modules` rule cannot express (None: use the generic rule; target "": skip).
+    `on_filled(name)` is called once a parameter has all its shards (QuantiseOnLoad)."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     mapper = getattr(model, "map_checkpoint_name", None)
@@ -166,8 +177,18 @@ def load_weights(
     params = {n: p for n, p in params.items() if n not in preloaded}
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
+    remaining = Counter(n for n, _ in expected)  # shards each parameter still waits for
+
+    def copied(target: str, shard: object) -> None:
+        if (target, shard) in loaded:  # a tensor given twice fills nothing new
+            return
+        loaded.add((target, shard))
+        remaining[target] -= 1
+        if remaining[target] == 0 and on_filled is not None:
+            on_filled(target)
+
     with progress("loading weights", len(expected)) as advance:
-        _copy_weights(weights, params, packed, mapper, tied, loaded, unexpected, advance)
+        _copy_weights(weights, params, packed, mapper, tied, copied, unexpected, advance)
     missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
     if unexpected or missing:
         more_u = "…" if len(unexpected) > 8 else ""
@@ -190,7 +211,7 @@ class LoadedModel:
     version: str | None = None  # an artifact's short version hash
 
 
-def _copy_weights(weights, params, packed, mapper, tied, loaded, unexpected, advance) -> None:  # noqa: ANN001
+def _copy_weights(weights, params, packed, mapper, tied, copied, unexpected, advance) -> None:  # noqa: ANN001
     """The loop of load_weights: each checkpoint tensor into its parameter (or shard of it)."""
     for ck_name, tensor in weights:
         if ck_name.endswith(_IGNORED_SUFFIXES) or (tied and ck_name == "lm_head.weight"):
@@ -211,30 +232,38 @@ def _copy_weights(weights, params, packed, mapper, tied, loaded, unexpected, adv
             loader(param, tensor, shard)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {ck_name}: {e}") from None
-        loaded.add((target, shard))
+        copied(target, shard)
         advance(1)
 
 
-def refuse_float_load_beyond_memory(net: nn.Module, path: Path, on_cpu: bool) -> None:
-    """A float load fills every parameter before anything is quantised: refuse it up front,
-    with what to do, when the parameters alone exceed the memory the machine has available (the
-    alternative is the kernel killing the process minutes into the load)."""
+def refuse_load_beyond_memory(
+    net: nn.Module,
+    path: Path,
+    on_cpu: bool,
+    scheme: str = "none",
+    formats: dict[str, str] | None = None,
+) -> None:
+    """Refuse a load up front, with what to do, when what it holds at its peak exceeds the
+    memory the machine has available (the alternative is the kernel killing the process
+    minutes into the load): every parameter for a float load; the quantised model plus one
+    float layer when it is quantised as it loads (QuantiseOnLoad)."""
     available = available_bytes() if on_cpu else None
-    need = sum(p.numel() * p.element_size() for p in net.parameters())
-    if available is None or need <= available:
+    total, layer = planned_bytes(net, scheme, formats or {})
+    if available is None or total + layer <= available:
         return
     gib = 2**30
-    hint = (
-        "a GGUF loads without a float copy when its projections are Q4_0/Q4_1 (llama.cpp: "
-        "llama-quantize --allow-requantize IN.gguf OUT.gguf Q4_0)"
-        if path.is_file()
-        else "compile it once on a machine with more memory (dsinfer compile --quant int4) "
-        "and serve the artifact"
-    )
+    if scheme in QUANTISED_SCHEMES:
+        what = f"as {scheme} take {total / gib:.1f} GiB (+{layer / gib:.1f} GiB while loading)"
+        hint = "serve it on a machine with more memory"
+    else:
+        what = f"as {next(net.parameters()).dtype} floats take {total / gib:.1f} GiB"
+        hint = (
+            "quantise them as they load (--quantization int4 or int8; a GGUF of 4-bit "
+            "K-quants or Q4_0/Q4_1 loads as int4 by default)"
+        )
     raise ValueError(
-        f"{path.name}: its weights as {next(net.parameters()).dtype} floats take "
-        f"{need / gib:.1f} GiB, more than the {available / gib:.1f} GiB this machine has "
-        f"available; {hint}"
+        f"{path.name}: its weights {what}, more than the {available / gib:.1f} GiB this "
+        f"machine has available; {hint}"
     )
 
 
@@ -368,8 +397,8 @@ def load_model(
         logger.info("this CPU has no native bf16 GEMM (AVX512-BF16 or AMX): auto dtype is float32")
         tdtype = torch.float32
     net = build_model(cfg, tdtype, device)  # parameters in the target dtype: no fp32 copy
-    # The direct Q4 load packs torch's CPU layout in place; elsewhere the floats are loaded
-    # and quantised on the device (quantize_model), as from a safetensors checkpoint.
+    # The direct 4-bit GGUF load packs torch's CPU layout in place; elsewhere the floats are
+    # loaded and quantised on the device layer by layer (QuantiseOnLoad).
     on_cpu = torch.device(device).type == "cpu"
     if random_weights:
         if random_quant in QUANTISED_SCHEMES:
@@ -382,23 +411,31 @@ def load_model(
                 torch.set_default_dtype(previous)
         fill_random_weights(net, seed)
     elif reader is not None and scheme == "int4" and native == "int4" and unsplit() and on_cpu:
-        # Q4 blocks are packed as they are; only the rest is dequantised (gguf_int4.py).
+        # 4-bit blocks are packed as they are; the rest is dequantised and quantised layer by
+        # layer (gguf_int4.py).
         formats = plan_formats(net, "int4", GGUF_INT4_GROUP)  # once: it logs each exception
+        if quantization == "auto":  # the file's precision: its 5- to 8-bit layers as int8
+            formats = keep_file_precision(net, reader, formats)
+        refuse_load_beyond_memory(net, path, on_cpu, "int4", formats)
         direct = pack_gguf_int4(net, reader, cfg, tdtype, formats)
-        load_weights(net, iter_gguf_tensors(reader, cfg, skip=direct), preloaded=int4_params(net))
-        finish_gguf_int4(net, tdtype, formats)
-        scheme = "none"  # done
+        quantiser = QuantiseOnLoad(net, "int4", GGUF_INT4_GROUP, tdtype, formats)
+        weights = iter_gguf_tensors(reader, cfg, skip=direct)
+        load_weights(net, weights, preloaded=int4_params(net), on_filled=quantiser)
+        quantiser.finish()
+        logger.info("GGUF 4-bit weights loaded as int4 without a float copy")
         release_freed_memory()
-    elif reader is not None:
-        refuse_float_load_beyond_memory(net, path, on_cpu)
-        load_weights(net, iter_gguf_tensors(reader, cfg))
     else:
-        refuse_float_load_beyond_memory(net, path, on_cpu)
-        load_weights(net, iter_safetensors(path))
-    if scheme != "none" and not random_weights:
-        quantize_model(net, scheme, 32, tdtype, torch.device(device).type)
-        logger.info("weights quantised to %s at load (groups of 32)", scheme)
-        release_freed_memory()  # the float weights just freed: give their pages back
+        weights = iter_gguf_tensors(reader, cfg) if reader is not None else iter_safetensors(path)
+        formats = plan_formats(net, scheme, 32) if scheme != "none" else {}
+        refuse_load_beyond_memory(net, path, on_cpu, scheme, formats)
+        if scheme == "none":
+            load_weights(net, weights)
+        else:  # quantised layer by layer as the weights arrive: never the whole float model
+            quantiser = QuantiseOnLoad(net, scheme, 32, tdtype, formats, torch.device(device).type)
+            load_weights(net, weights, on_filled=quantiser)
+            quantiser.finish()
+            logger.info("weights quantised to %s at load (groups of 32)", scheme)
+            release_freed_memory()  # the float layers freed: give their pages back
     net.eval()
     if reader is not None:
         del reader

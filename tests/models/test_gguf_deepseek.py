@@ -225,17 +225,27 @@ def test_an_int4_artifact_compiled_from_a_q4_file_keeps_its_blocks(tmp_path):
     assert torch.equal(got, want)
 
 
-def test_a_float_load_beyond_the_machines_memory_is_refused_up_front(converted, monkeypatch):
+def test_a_load_beyond_the_machines_memory_is_refused_up_front(converted, monkeypatch):
     """A file that would load as floats (here F32) larger than the memory available is
-    refused before any weight is read, with the way to load it without a float copy; the same
-    file loads when the memory is there."""
+    refused before any weight is read, with the way to load it quantised; quantised as it
+    loads (layer by layer, never the whole float model) the same file and its checkpoint fit
+    in that memory, and everything loads when the memory is there."""
     from dsinfer.models import loader
 
     _, _, src, path = converted
+
+    def size(model) -> int:  # noqa: ANN001
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    floats = size(loader.load_model(str(path), dtype="float32").model)
+    int8 = size(loader.load_model(str(path), dtype="bfloat16", quantization="int8").model)
+    assert int8 < 0.6 * floats
+    monkeypatch.setattr(loader, "available_bytes", lambda: int(0.75 * floats))
+    for source in (path, src):  # the GGUF, the HF checkpoint
+        with pytest.raises(ValueError, match=r"more than the .* available; quantise them as"):
+            loader.load_model(str(source), dtype="float32")
+        quantised = loader.load_model(str(source), dtype="bfloat16", quantization="int8")
+        assert size(quantised.model) == int8
     monkeypatch.setattr(loader, "available_bytes", lambda: 2**10)
-    with pytest.raises(ValueError, match=r"more than the 0\.0 GiB .* available; .*Q4_0"):
-        loader.load_model(str(path), dtype="float32")
-    with pytest.raises(ValueError, match="dsinfer compile --quant int4"):
-        loader.load_model(str(src), dtype="float32")  # the HF checkpoint
-    monkeypatch.setattr(loader, "available_bytes", lambda: 2**40)
-    assert loader.load_model(str(path), dtype="float32").config.mla is not None
+    with pytest.raises(ValueError, match=r"as int8 take .* \(\+0\.0 GiB while loading\)"):
+        loader.load_model(str(path), dtype="bfloat16", quantization="int8")
