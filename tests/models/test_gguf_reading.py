@@ -10,7 +10,7 @@ import torch
 from dsinfer.models.gguf_file import _fast_dequantize
 
 
-@pytest.mark.parametrize("qname", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qname", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_fast_dequantize_is_bit_exact(qname: str) -> None:
     qtype = gguf.GGMLQuantizationType[qname]
     x = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
