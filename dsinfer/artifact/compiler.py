@@ -26,7 +26,7 @@ from dsinfer.artifact.signing import sign_dir
 from dsinfer.artifact.weights_io import save_weights
 from dsinfer.config import QUANTISED_SCHEMES, parse_dtype
 from dsinfer.layers.int4_pack import int4_pack_layout
-from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, layer_formats, quantize_model
+from dsinfer.layers.quant import INT4_GROUP_SIZES, SCHEMES, layer_formats
 from dsinfer.models.gguf_file import native_scheme, open_gguf
 from dsinfer.models.loader import LoadedModel, load_model, resolve_model_path
 from dsinfer.progress import progress
@@ -79,19 +79,14 @@ def _dedup_tied(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, st
 
 
 def _write_contents(
-    tmp: Path,
-    src: str,
-    loaded: LoadedModel,
-    opts: CompileOptions,
-    dtype: torch.dtype,
-    prequantised: bool = False,
+    tmp: Path, src: str, loaded: LoadedModel, opts: CompileOptions, dtype: torch.dtype
 ) -> Manifest:
     exceptions: dict[str, str] = {}
-    if prequantised:  # loaded in the scheme's layout already (a Q4 GGUF's blocks, as they are)
+    if opts.quant in QUANTISED_SCHEMES:
+        # Quantised as it loaded (a 4-bit GGUF's blocks as they are, the rest layer by layer
+        # from the fp32 weights): the formats are read back from the model, and the scales and
+        # every float tensor left take `dtype`.
         exceptions = layer_formats(loaded.model, opts.quant)
-    elif opts.quant in QUANTISED_SCHEMES:
-        # Quantised from the fp32 load; the scales and every float tensor left take `dtype`.
-        exceptions = quantize_model(loaded.model, opts.quant, opts.group_size, dtype)
         for p in loaded.model.parameters():
             if p.is_floating_point() and not getattr(p, "keep_fp32", False):
                 p.data = p.data.to(dtype)
@@ -165,10 +160,10 @@ def _replace(tmp: Path, out: Path) -> None:
 
 def _q4_gguf_to_int4(src: str, opts: CompileOptions) -> bool:
     """Whether `src` is a GGUF of 4-bit projections (Q4_0 / Q4_1 / Q4_K) compiled to int4 in
-    groups of 32: then its blocks are packed as they are (models/gguf_int4.py), where a float
-    load and our min/max quantiser would move the blocks whose codes miss 0 or 15 to another
-    grid (a Q4_0 block's, usually) and need the whole model in fp32 (64 GiB for
-    DeepSeek-V2-Lite). The artifact's layer formats are read back from the loaded model."""
+    groups of 32: the loader then packs its blocks as they are (models/gguf_int4.py), where our
+    min/max quantiser would move the blocks whose codes miss 0 or 15 to another grid (a Q4_0
+    block's, usually), and the rest is loaded in the dtype `dsinfer serve` loads it in, so the
+    artifact computes exactly what serving the file with --quantization int4 computes."""
     path = resolve_model_path(src)
     if not (path.is_file() and opts.quant == "int4" and opts.group_size == 32):
         return False
@@ -187,12 +182,20 @@ def compile_artifact(src: str, out: Path, opts: CompileOptions) -> Manifest:
         # grid (SmolLM2 Q4_1 → int4/64: perplexity +48%, measured).
         logger.warning("the GGUF source is quantised in groups of 32; --group-size 32 keeps it")
     quantised = opts.quant in QUANTISED_SCHEMES
-    direct = _q4_gguf_to_int4(src, opts)
-    with progress(f"compiling {src}", 4) as stage:  # load, quantise + write, sign, sync
-        if direct:  # its blocks are int4 groups of 32 as they are: exact, and no float copy
-            loaded = load_model(src, float_dtype(opts), quantization="int4")
-        else:
-            loaded = load_model(src, torch.float32 if quantised else float_dtype(opts))
+    # Quantised weights come from the fp32 weights, layer by layer as they load (never the
+    # whole fp32 model: a checkpoint larger than memory compiles); a 4-bit GGUF's blocks are
+    # packed as they are, the rest of it quantised from the values `dsinfer serve` quantises.
+    load_dtype = (
+        torch.float32 if quantised and not _q4_gguf_to_int4(src, opts) else float_dtype(opts)
+    )
+    with progress(f"compiling {src}", 4) as stage:  # load + quantise, write, sign, sync
+        loaded = load_model(
+            src,
+            load_dtype,
+            quantization=opts.quant if quantised else "none",
+            group_size=opts.group_size,
+            for_artifact=True,
+        )
         stage(1)
         dtype = parse_dtype(float_dtype(opts)) if quantised else loaded.dtype
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +204,7 @@ def compile_artifact(src: str, out: Path, opts: CompileOptions) -> Manifest:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            manifest = _write_contents(tmp, src, loaded, opts, dtype, prequantised=direct)
+            manifest = _write_contents(tmp, src, loaded, opts, dtype)
             stage(1)
             if opts.sign_key is not None:
                 sign_dir(tmp, opts.sign_key)

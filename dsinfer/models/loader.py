@@ -362,12 +362,17 @@ def load_model(
     enable_mtp: bool = True,
     random_quant: str = "none",
     quantization: str = "none",
+    group_size: int = 32,
+    for_artifact: bool = False,
 ) -> LoadedModel:
     """Build the model for `model` and load its weights (or seeded random ones).
 
-    `quantization`: none | int8 | int4 — quantise the loaded weights in place, as `dsinfer
-    compile` would (int4 in groups of 32); auto — a GGUF whose projections are Q4_0/Q4_1/Q8_0
-    keeps that precision as int4/int8 unless dtype is float32 (the exact path).
+    `quantization`: none | int8 | int4 — quantise the weights as they load, as `dsinfer
+    compile` would (int4 in groups of `group_size`); auto — a GGUF whose projections are
+    Q4_0/Q4_1/Q4_K/Q8_0 keeps that precision as int4/int8 unless dtype is float32 (the exact
+    path). `for_artifact` (compile): nothing will run on this process, so quantised weights
+    may come from a float32 model (its exact weights), scales and all; the caller converts what
+    stays float.
 
     `enable_mtp`: load a DeepSeek-V3 checkpoint's multi-token-prediction layer when present.
     `random_quant` (with random weights): int8 or int4 layouts, for models whose float weights
@@ -380,9 +385,8 @@ def load_model(
         cfg = configure(cfg, None if random_weights else checkpoint_names(path))
     reader = open_gguf(path) if path.is_file() and not random_weights else None
     native = native_scheme(reader) if reader is not None else "none"
-    scheme = device_quantization(
-        quantization, resolve_quantization(quantization, dtype, native), torch.device(device).type
-    )
+    resolved = resolve_quantization(quantization, "auto" if for_artifact else dtype, native)
+    scheme = device_quantization(quantization, resolved, torch.device(device).type)
     if scheme != "none" and dtype == "auto":
         dtype = torch.bfloat16  # the packed int8/int4 CPU kernels are vectorised for bf16
     tdtype = parse_dtype(dtype, cfg.checkpoint_dtype)
@@ -410,7 +414,12 @@ def load_model(
             finally:
                 torch.set_default_dtype(previous)
         fill_random_weights(net, seed)
-    elif reader is not None and scheme == "int4" and native == "int4" and unsplit() and on_cpu:
+    elif (
+        reader is not None
+        and (scheme, native, group_size) == ("int4", "int4", GGUF_INT4_GROUP)
+        and unsplit()
+        and on_cpu
+    ):
         # 4-bit blocks are packed as they are; the rest is dequantised and quantised layer by
         # layer (gguf_int4.py).
         formats = plan_formats(net, "int4", GGUF_INT4_GROUP)  # once: it logs each exception
@@ -426,15 +435,16 @@ def load_model(
         release_freed_memory()
     else:
         weights = iter_gguf_tensors(reader, cfg) if reader is not None else iter_safetensors(path)
-        formats = plan_formats(net, scheme, 32) if scheme != "none" else {}
+        formats = plan_formats(net, scheme, group_size) if scheme != "none" else {}
         refuse_load_beyond_memory(net, path, on_cpu, scheme, formats)
         if scheme == "none":
             load_weights(net, weights)
         else:  # quantised layer by layer as the weights arrive: never the whole float model
-            quantiser = QuantiseOnLoad(net, scheme, 32, tdtype, formats, torch.device(device).type)
+            device_type = torch.device(device).type
+            quantiser = QuantiseOnLoad(net, scheme, group_size, tdtype, formats, device_type)
             load_weights(net, weights, on_filled=quantiser)
             quantiser.finish()
-            logger.info("weights quantised to %s at load (groups of 32)", scheme)
+            logger.info("weights quantised to %s as they loaded (groups of %d)", scheme, group_size)
             release_freed_memory()  # the float layers freed: give their pages back
     net.eval()
     if reader is not None:

@@ -74,3 +74,37 @@ def test_tiny_hf_quantised_artifact_tracks_fp32(tiny_src, tiny_artifacts, keys, 
     out = art.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=5, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5
     assert_pool_clean(art.engine)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_checkpoint_larger_than_memory_compiles_layer_by_layer(tmp_path, monkeypatch, quant):
+    """`dsinfer compile --quant int8|int4` quantises each layer as its fp32 weights arrive:
+    with less memory available than the fp32 model takes (which a float load refuses), the
+    checkpoint still compiles, and its artifact holds exactly what quantising the whole fp32
+    model gives."""
+    from safetensors.torch import load_file
+
+    from dsinfer.artifact.compiler import CompileOptions, compile_artifact
+    from dsinfer.layers.quant import quantize_model
+    from dsinfer.models import loader
+    from tests.helpers import tiny_llama_dir
+
+    src = tiny_llama_dir(tmp_path / "src", num_layers=3)
+    whole = loader.load_model(str(src), dtype="float32").model
+    fp32 = sum(p.numel() * p.element_size() for p in whole.parameters())
+    monkeypatch.setattr(loader, "available_bytes", lambda: int(0.75 * fp32))
+    with pytest.raises(ValueError, match="more than the .* available"):
+        loader.load_model(str(src), dtype="float32")
+    opts = CompileOptions(quant=quant, sign_key=None)
+    compile_artifact(str(src), tmp_path / "art", opts)
+    quantize_model(whole, quant, 32, torch.bfloat16)
+    want = {
+        n: p.to(torch.bfloat16) if p.is_floating_point() else p
+        for n, p in whole.state_dict().items()
+    }
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted((tmp_path / "art").rglob("*.safetensors")):
+        got.update(load_file(str(f)))
+    assert set(got) <= set(want) and len(got) >= len(want) - 1  # a tied tensor is stored once
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name
