@@ -467,6 +467,11 @@ def test_torch_int4_blocks_of_32_rows_repack_like_blocks_of_64() -> None:
     a = torch.ops.dsinfer.int4_vnni_pack(pack_blocks64(codes), 32, sz, 64)
     b = torch.ops.dsinfer.int4_vnni_pack(blocks32, 32, sz, 32)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # The layout's definition: per 16 outputs and 8 inputs, lane l's byte i holds input i of
+    # output l (low nibble) and input i + 4 (high).
+    c = codes.view(128 // 16, 16, 64 // 8, 2, 4)  # [ob, l, kc, half, i]
+    want = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(8, 8, 64)
+    assert torch.equal(a[0], want)
     with pytest.raises(RuntimeError, match="blocks of 64 or 32"):
         torch.ops.dsinfer.int4_vnni_pack(blocks32, 32, sz, 16)
 

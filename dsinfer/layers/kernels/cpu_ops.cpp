@@ -2566,20 +2566,28 @@ std::tuple<at::Tensor, at::Tensor> int4_vnni_pack(const at::Tensor& qweight, int
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   // torch's layout: per block of R outputs (64 on AVX-512 builds, 32 on AVX2) and input k,
-  // R / 2 bytes; byte j holds output j (low nibble) and output R / 2 + j (high nibble).
+  // R / 2 bytes; byte j holds output j (low nibble) and output R / 2 + j (high nibble). So the
+  // 16 outputs of one VNNI block, at input k, are one nibble of 16 consecutive bytes (R / 2 is
+  // a multiple of 16): read as runs, not code by code (~10× faster than a lookup per code,
+  // which cost DeepSeek-V2-Lite's start ~25 s).
   const int64_t R = block_rows, half = R / 2;
-  const auto code = [&](int64_t o, int64_t k) -> uint8_t {
-    const uint8_t b = wp[(o / R) * half * K + k * half + (o % R) % half];
-    return (o % R) < half ? (b & 0x0F) : (b >> 4);
-  };
   at::parallel_for(0, O / 16, 1, [&](int64_t ob0, int64_t ob1) {
-    for (int64_t ob = ob0; ob < ob1; ++ob)
-      for (int64_t kc = 0; kc < K / 8; ++kc)
+    uint8_t nib[8][16];  // [input k within the chunk of 8][output l]
+    for (int64_t ob = ob0; ob < ob1; ++ob) {
+      const int64_t j0 = (ob * 16) % R;  // the first output's row within its torch block
+      const int shift = j0 < half ? 0 : 4;
+      const uint8_t* rows = wp + (ob * 16 / R) * half * K + j0 % half;  // + k · half: input k
+      uint8_t* dst = cp + ob * (K / 8) * 64;
+      for (int64_t kc = 0; kc < K / 8; ++kc) {
+        for (int64_t t = 0; t < 8; ++t) {
+          const uint8_t* src = rows + (kc * 8 + t) * half;
+          for (int64_t l = 0; l < 16; ++l) nib[t][l] = (src[l] >> shift) & 0x0F;
+        }
+        uint8_t* d = dst + kc * 64;
         for (int64_t l = 0; l < 16; ++l)
-          for (int64_t i = 0; i < 4; ++i) {
-            const int64_t o = ob * 16 + l, k = kc * 8 + i;
-            cp[(ob * (K / 8) + kc) * 64 + l * 4 + i] = code(o, k) | (code(o, k + 4) << 4);
-          }
+          for (int64_t i = 0; i < 4; ++i) d[l * 4 + i] = nib[i][l] | (nib[i + 4][l] << 4);
+      }
+    }
   });
   // [G, O, 2] → [O/16, G, 2, 16]
   const at::Tensor sz = scales_zeros.to(at::kBFloat16).view({G, O / 16, 16, 2}).permute({1, 0, 3, 2});
