@@ -80,6 +80,14 @@ class GGUFFile:
             data = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start + offset)
             self.tensors.append(GGUFTensor(name, dims, qtype, data, start + offset))
 
+    def prefetch(self) -> None:
+        """Ask the kernel to read the whole file ahead (MADV_WILLNEED): its reads then overlap
+        the decoding and packing instead of stalling each tensor's first touch (a 9.7 GiB
+        DeepSeek-V2-Lite Q4_K_M from a cold cache: load 84 → 74 s, measured). A hint: pages
+        evicted before use are read again."""
+        if hasattr(mmap, "MADV_WILLNEED"):
+            self._map.madvise(mmap.MADV_WILLNEED)
+
     def release(self, tensor: GGUFTensor) -> None:
         """Drop the file's pages under `tensor` from this process once its bytes are copied
         out: a loader reading a 9 GiB file would otherwise hold all of it resident (as

@@ -384,6 +384,8 @@ def load_model(
     if configure is not None and enable_mtp and not path.is_file():
         cfg = configure(cfg, None if random_weights else checkpoint_names(path))
     reader = open_gguf(path) if path.is_file() and not random_weights else None
+    if reader is not None:
+        reader.prefetch()  # the file's reads start now, beside the model's construction
     native = native_scheme(reader) if reader is not None else "none"
     resolved = resolve_quantization(quantization, "auto" if for_artifact else dtype, native)
     scheme = device_quantization(quantization, resolved, torch.device(device).type)
