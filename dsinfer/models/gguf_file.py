@@ -170,23 +170,19 @@ def native_format(qname: str) -> str | None:
 
 
 def native_scheme(reader: GGUFFile) -> str:
-    """The weight-only scheme matching this GGUF's projection weights (int4 | int8): the
-    format that holds most of their weights (a Q4_K_M file's Q4_K bulk: int4, its Q6_K
-    layers then int8, layer by layer); "none" when they are float. Left out: the token
-    embedding (it is looked up, not multiplied), the LM head (int8 under int4 whatever the
-    file holds; llama.cpp's Q4 files keep it Q6_K), MoE routers (llama.cpp keeps them F32)
-    and float matrices beside quantised ones (llama.cpp leaves those whose rows are not whole
-    blocks)."""
-    weights = {"int4": 0, "int8": 0}
+    """The weight-only scheme matching this GGUF's projection weights: int4 when any is
+    4-bit (a Q4_K_M file, even SmolLM2's, whose rows mostly fall back to Q5_0: its Q4_K layers
+    then load as they are and the rest as int8, layer by layer, `keep_file_precision`), else
+    int8 when any is quantised, else "none". Left out: the token embedding (it is looked up,
+    not multiplied), the LM head (int8 under int4 whatever the file holds; llama.cpp's Q4 files
+    keep it Q6_K), MoE routers (llama.cpp keeps them F32) and float matrices beside quantised
+    ones (llama.cpp leaves those whose rows are not whole blocks)."""
+    found = set()
     for t in reader.tensors:
         if len(t.shape) < 2 or t.name in _NOT_PROJECTIONS or ".ffn_gate_inp." in t.name:
             continue
-        fmt = native_format(t.tensor_type.name)
-        if fmt is not None:
-            weights[fmt] += int(np.prod(t.shape, dtype=np.int64))
-    if not any(weights.values()):
-        return "none"
-    return max(weights, key=lambda f: weights[f])
+        found.add(native_format(t.tensor_type.name))
+    return next((fmt for fmt in ("int4", "int8") if fmt in found), "none")
 
 
 _NOT_PROJECTIONS = frozenset({"token_embd.weight", "output.weight"})

@@ -58,6 +58,29 @@ def test_q4_k_blocks_are_our_int4_groups_exactly():
     assert fast is not None and torch.equal(fast.view(6, 512), want)
 
 
+def test_a_file_with_any_4_bit_projection_is_int4():
+    """The scheme a file loads under by default: int4 when any projection is 4-bit (SmolLM2's
+    Q4_K_M is mostly Q5_0, its Q4_K layers still load as they are), int8 when the quantised
+    ones are all wider, none when all are float; the embedding, the head and the routers do
+    not count."""
+    from types import SimpleNamespace
+
+    from dsinfer.models.gguf_reader import GGUFTensor
+
+    def reader(*types: tuple[str, str]) -> SimpleNamespace:
+        kinds = gguf.GGMLQuantizationType
+        return SimpleNamespace(
+            tensors=[GGUFTensor(n, (576, 576), kinds[q], np.zeros(0, np.uint8)) for n, q in types]
+        )
+
+    q5 = [(f"blk.{i}.attn_q.weight", "Q5_0") for i in range(8)]
+    assert native_scheme(reader(*q5, ("blk.0.ffn_down.weight", "Q4_K"))) == "int4"
+    assert native_scheme(reader(*q5, ("blk.0.ffn_down.weight", "Q6_K"))) == "int8"
+    assert native_scheme(reader(("blk.0.attn_q.weight", "F16"))) == "none"
+    ignored = [("token_embd.weight", "Q4_K"), ("output.weight", "Q4_0")]
+    assert native_scheme(reader(*ignored, ("blk.0.ffn_gate_inp.weight", "Q4_0"))) == "none"
+
+
 @pytest.fixture(scope="module")
 def q4_k_m(tmp_path_factory):
     """A tiny DeepSeek-V3 checkpoint and its Q4_K_M GGUF."""
