@@ -438,6 +438,8 @@ def load_model(
     else:
         weights = iter_gguf_tensors(reader, cfg) if reader is not None else iter_safetensors(path)
         formats = plan_formats(net, scheme, group_size) if scheme != "none" else {}
+        if reader is not None and scheme == "int4" and quantization == "auto":
+            formats = keep_file_precision(net, reader, formats)  # split, or on an accelerator
         refuse_load_beyond_memory(net, path, on_cpu, scheme, formats)
         if scheme == "none":
             load_weights(net, weights)
