@@ -439,7 +439,7 @@ def load_model(
         weights = iter_gguf_tensors(reader, cfg) if reader is not None else iter_safetensors(path)
         formats = plan_formats(net, scheme, group_size) if scheme != "none" else {}
         if reader is not None and scheme == "int4" and quantization == "auto":
-            formats = keep_file_precision(net, reader, formats)  # split, or on an accelerator
+            formats = keep_file_precision(net, reader, formats)  # a split (parallel) load
         refuse_load_beyond_memory(net, path, on_cpu, scheme, formats)
         if scheme == "none":
             load_weights(net, weights)
