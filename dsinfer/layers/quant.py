@@ -489,8 +489,14 @@ def quantize_int4(
     quant_device.py) and scale | zero pairs [groups, out, 2]."""
     q, scale, zero = int4_codes(weight, group_size)
     packed = torch._convert_weight_to_int4pack_for_cpu(q.cpu().to(torch.int32), 1)
-    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # [groups, out, 2]
-    return {"qweight": packed.to(weight.device), "scales_zeros": scales_zeros.to(dtype)}
+    return {"qweight": packed.to(weight.device), "scales_zeros": int4_pairs(scale, zero, dtype)}
+
+
+def int4_pairs(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """scale and zero [..., out, G] → the stored scale | zero pairs [..., G, out, 2] in `dtype`
+    (an int4 Linear's `scales_zeros`; an expert stack's `sz`, one such per expert)."""
+    pairs = torch.stack([scale.transpose(-1, -2), zero.transpose(-1, -2)], dim=-1)
+    return pairs.to(dtype).contiguous()
 
 
 @register_method("int8", "cpu")
@@ -627,16 +633,18 @@ class Int4ExpertsMethod(ExpertsMethod):
 
     @torch.no_grad()
     def quantize(self, experts: RoutedExperts, dtype: torch.dtype) -> None:
-        """Float experts → this layout, in place (each expert as an int4 Linear would be);
-        the codes of a whole stack packed in one pass."""
+        """Float experts → this layout, in place (each expert as an int4 Linear would be: its
+        groups lie within rows, so the stack's rows are quantised as one matrix); the codes of
+        a whole stack packed in one pass."""
         tensors = {}
         for which in ("13", "2"):
             w = getattr(experts, f"w{which}")
-            parts = [int4_codes(w[e], self.group_size) for e in range(w.shape[0])]
-            tensors[f"q{which}"] = int4pack_from_codes(torch.stack([p[0] for p in parts]))
-            scale, zero = (torch.stack([p[i] for p in parts]) for i in (1, 2))  # [E, out, G]
-            sz = torch.stack([scale.transpose(1, 2), zero.transpose(1, 2)], dim=-1)
-            tensors[f"sz{which}"] = sz.to(dtype).contiguous()  # [E, G, out, 2]
+            e, out_f, in_f = w.shape
+            q, scale, zero = int4_codes(w.reshape(e * out_f, in_f), self.group_size)
+            tensors[f"q{which}"] = int4pack_from_codes(q.view(e, out_f, in_f))
+            tensors[f"sz{which}"] = int4_pairs(
+                scale.view(e, out_f, -1), zero.view(e, out_f, -1), dtype
+            )
         experts.set_method(self)
         for name, value in tensors.items():
             getattr(experts, name).data = value

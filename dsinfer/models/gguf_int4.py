@@ -30,6 +30,7 @@ from dsinfer.layers.moe import RoutedExperts
 from dsinfer.layers.quant import (
     experts_method,
     int4_codes,
+    int4_pairs,
     quant_method,
     quantizable_linears,
     routed_experts,
@@ -150,9 +151,7 @@ def _pack_expert_stacks(
                 f"GGUF expert stack {tuple(q.shape)} does not match the model's {tuple(want)}"
             )
         getattr(experts, f"q{which}").data = q
-        # [E, out, G] each → [E, G, out, 2], the layout of an int4 Linear's per expert
-        sz = torch.stack([scale.transpose(1, 2), zero.transpose(1, 2)], dim=-1)
-        getattr(experts, f"sz{which}").data = sz.to(dtype).contiguous()
+        getattr(experts, f"sz{which}").data = int4_pairs(scale, zero, dtype)  # [E, G, out, 2]
 
 
 def keep_file_precision(
@@ -196,4 +195,4 @@ def _pack(layer: Linear, shards: dict[str | None, tuple[torch.Tensor, ...]], dty
         )
     layer.set_method(quant_method("int4", GROUP))  # type: ignore[arg-type]
     layer.qweight.data = int4pack_from_codes(q)
-    layer.scales_zeros.data = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+    layer.scales_zeros.data = int4_pairs(scale, zero, dtype)
