@@ -416,39 +416,36 @@ def load_model(
             finally:
                 torch.set_default_dtype(previous)
         fill_random_weights(net, seed)
-    elif (
-        reader is not None
-        and (scheme, native, group_size) == ("int4", "int4", GGUF_INT4_GROUP)
-        and unsplit()
-        and on_cpu
-    ):
-        # 4-bit blocks are packed as they are; the rest is dequantised and quantised layer by
-        # layer (gguf_int4.py).
-        formats = plan_formats(net, "int4", GGUF_INT4_GROUP)  # once: it logs each exception
-        if quantization == "auto":  # the file's precision: its 5- to 8-bit layers as int8
-            formats = keep_file_precision(net, reader, formats)
-        refuse_load_beyond_memory(net, path, on_cpu, "int4", formats)
-        direct = pack_gguf_int4(net, reader, cfg, tdtype, formats)
-        quantiser = QuantiseOnLoad(net, "int4", GGUF_INT4_GROUP, tdtype, formats)
-        weights = iter_gguf_tensors(reader, cfg, skip=direct)
-        load_weights(net, weights, preloaded=int4_params(net), on_filled=quantiser)
-        quantiser.finish()
-        logger.info("GGUF 4-bit weights loaded as int4 without a float copy")
-        release_freed_memory()
     else:
-        weights = iter_gguf_tensors(reader, cfg) if reader is not None else iter_safetensors(path)
         formats = plan_formats(net, scheme, group_size) if scheme != "none" else {}
         if reader is not None and scheme == "int4" and quantization == "auto":
-            formats = keep_file_precision(net, reader, formats)  # a split (parallel) load
+            formats = keep_file_precision(net, reader, formats)  # its 5-8-bit layers as int8
         refuse_load_beyond_memory(net, path, on_cpu, scheme, formats)
+        direct: set[str] = set()  # GGUF tensors packed from their blocks, as they are
+        if (
+            reader is not None
+            and (scheme, native, group_size) == ("int4", "int4", GGUF_INT4_GROUP)
+            and unsplit()
+            and on_cpu
+        ):
+            direct = pack_gguf_int4(net, reader, cfg, tdtype, formats)  # gguf_int4.py
+        if reader is not None:
+            weights = iter_gguf_tensors(reader, cfg, skip=direct)
+        else:
+            weights = iter_safetensors(path)
         if scheme == "none":
             load_weights(net, weights)
-        else:  # quantised layer by layer as the weights arrive: never the whole float model
+        else:  # the rest quantised layer by layer as it arrives: never the whole float model
             device_type = torch.device(device).type
             quantiser = QuantiseOnLoad(net, scheme, group_size, tdtype, formats, device_type)
-            load_weights(net, weights, on_filled=quantiser)
+            load_weights(net, weights, preloaded=int4_params(net), on_filled=quantiser)
             quantiser.finish()
-            logger.info("weights quantised to %s as they loaded (groups of %d)", scheme, group_size)
+            logger.info(
+                "weights quantised to %s as they loaded (groups of %d%s)",
+                scheme,
+                group_size,
+                "; 4-bit GGUF blocks as they are, no float copy" if direct else "",
+            )
             release_freed_memory()  # the float layers freed: give their pages back
     net.eval()
     if reader is not None:
