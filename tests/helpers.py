@@ -260,6 +260,43 @@ DEEPSEEK_CASES = {
     "v3": ("v3", dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True)),
 }
 
+# llama.cpp keeps one YaRN magnitude (gguf_deepseek.py): mscale equal to mscale_all_dim, as in
+# every released DeepSeek config.
+_GGUF_DEEPSEEK_COMMON = {
+    **DEEPSEEK_COMMON,
+    "rope_scaling": {**DEEPSEEK_COMMON["rope_scaling"], "mscale": 0.8},
+}
+
+
+def tiny_gguf_deepseek(case: str, **overrides: int):  # noqa: ANN201
+    """A tiny random transformers DeepSeek-V2/V3 of DEEPSEEK_CASES[case] for the GGUF tests
+    (YaRN as llama.cpp keeps it, a random router and V3 bias that matter)."""
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+    )
+
+    version, extra = DEEPSEEK_CASES[case]
+    # config.json names its scoring function, as every released DeepSeek config does (the
+    # converter writes expert_gating_func from it).
+    scoring = "sigmoid" if version == "v3" else "softmax"
+    hp = {**_GGUF_DEEPSEEK_COMMON, **extra, "scoring_func": scoring, **overrides}
+    torch.manual_seed(3)
+    if version == "v2":
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**hp))
+    else:
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**hp))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # routing that matters: a random router, and a real V3 bias
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
+            if version == "v3":
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3, generator=g)
+    return model.eval()
+
+
 # DeepSeek-V3.2 (sparse attention): an indexer keeping 8 tokens a query, 16 index heads (an index
 # score is exactly 0, a tie torch.topk may break either way, only where all 16 heads' relu are
 # 0: about once in 65,536 (query, token) pairs).

@@ -17,44 +17,13 @@ from dsinfer.models.loader import read_model_config
 from dsinfer.models.registry import config_from_hf
 from tests.gguf_writer import write_deepseek2
 from tests.helpers import DEEPSEEK_CASES as CASES
-from tests.helpers import DEEPSEEK_COMMON, VOCAB, assert_logits_match, full_logits
-
-# llama.cpp keeps one YaRN magnitude (gguf_deepseek.py): mscale equal to mscale_all_dim, as in
-# every released DeepSeek config.
-COMMON = {**DEEPSEEK_COMMON, "rope_scaling": {**DEEPSEEK_COMMON["rope_scaling"], "mscale": 0.8}}
-
-
-def _tiny(case: str, **overrides: int):  # noqa: ANN202
-    from transformers import (
-        DeepseekV2Config,
-        DeepseekV2ForCausalLM,
-        DeepseekV3Config,
-        DeepseekV3ForCausalLM,
-    )
-
-    version, extra = CASES[case]
-    # config.json names its scoring function, as every released DeepSeek config does (the
-    # converter writes expert_gating_func from it).
-    scoring = "sigmoid" if version == "v3" else "softmax"
-    hp = {**COMMON, **extra, "scoring_func": scoring, **overrides}
-    torch.manual_seed(3)
-    if version == "v2":
-        model = DeepseekV2ForCausalLM(DeepseekV2Config(**hp))
-    else:
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(**hp))
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():  # routing that matters: a random router, and a real V3 bias
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.weight.normal_(0, 0.5, generator=g)
-            if version == "v3":
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3, generator=g)
-    return model.eval()
+from tests.helpers import VOCAB, assert_logits_match, full_logits, tiny_gguf_deepseek
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def converted(request, tmp_path_factory):
     """(case, transformers model, its checkpoint directory, its F32 GGUF)."""
-    model = _tiny(request.param)
+    model = tiny_gguf_deepseek(request.param)
     src = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(src)
     return request.param, model, src, write_deepseek2(src, src / "model.gguf")
@@ -86,7 +55,7 @@ def test_q4_gguf_packs_its_experts_as_they_are(qtype, rows, tmp_path):
     of 32 or 64 rows, which the int4 kernel takes: gate | up packed joined, or each whole
     64-row block apart), the rest float or int8 as planned; it computes what the same file
     computes dequantised to floats, within the kernels' bf16 arithmetic."""
-    model = _tiny("v3", moe_intermediate_size=rows)
+    model = tiny_gguf_deepseek("v3", moe_intermediate_size=rows)
     model.save_pretrained(tmp_path)
     path = write_deepseek2(tmp_path, tmp_path / "q4.gguf", qtype=qtype)
     opts = dict(dtype="bfloat16", num_blocks=64, block_size=4)
@@ -112,7 +81,7 @@ def test_q4_experts_hold_the_files_weights_exactly(rows, tmp_path):
     from dsinfer.layers.int4_pack import int4pack_codes
     from dsinfer.models.loader import load_model
 
-    _tiny("v3", moe_intermediate_size=rows).save_pretrained(tmp_path)
+    tiny_gguf_deepseek("v3", moe_intermediate_size=rows).save_pretrained(tmp_path)
     path = str(write_deepseek2(tmp_path, tmp_path / "q4.gguf", qtype="Q4_1"))
     packed = load_model(path, dtype="bfloat16", quantization="int4").model.model.layers
     floats = load_model(path, dtype="float32", quantization="none").model.model.layers
@@ -214,7 +183,7 @@ def test_an_int4_artifact_compiled_from_a_q4_file_keeps_its_blocks(tmp_path):
     file computes, and a layer the file kept F32 (rows not whole blocks) is planned as usual."""
     from dsinfer.artifact.compiler import CompileOptions, compile_artifact
 
-    _tiny("v3", moe_intermediate_size=32).save_pretrained(tmp_path)
+    tiny_gguf_deepseek("v3", moe_intermediate_size=32).save_pretrained(tmp_path)
     path = write_deepseek2(tmp_path, tmp_path / "q4.gguf", qtype="Q4_0")
     manifest = compile_artifact(str(path), tmp_path / "art", CompileOptions(quant="int4"))
     assert manifest.quantization["layer_formats"]["lm_head"] == "int8"

@@ -20,8 +20,7 @@ from dsinfer.models.gguf_file import _fast_dequantize, native_scheme, open_gguf
 from dsinfer.models.gguf_int4 import q4_blocks
 from dsinfer.models.loader import load_model
 from tests.gguf_writer import quantize, tensor_arrays, write_deepseek2
-from tests.helpers import full_logits, tiny_llama_dir
-from tests.models.test_gguf_deepseek import _tiny
+from tests.helpers import full_logits, tiny_gguf_deepseek, tiny_llama_dir
 
 # Rows of whole super-blocks (256) in every expert and dense MLP; four layers, so that
 # Q4_K_M's `use_more_bits` gives some layers Q6_K down projections (blocks 2 and 3) and not
@@ -85,7 +84,7 @@ def test_a_file_with_any_4_bit_projection_is_int4():
 def q4_k_m(tmp_path_factory):
     """A tiny DeepSeek-V3 checkpoint and its Q4_K_M GGUF."""
     src = tmp_path_factory.mktemp("q4km")
-    _tiny("v3", num_hidden_layers=KQ_LAYERS, **KQ_SHAPE).save_pretrained(src)
+    tiny_gguf_deepseek("v3", num_hidden_layers=KQ_LAYERS, **KQ_SHAPE).save_pretrained(src)
     return src, write_deepseek2(src, src / "q4_k_m.gguf", qtype="Q4_K_M")
 
 
@@ -160,7 +159,7 @@ def test_q4_k_experts_hold_the_files_weights_and_q6_k_ones_our_int4(q4_k_m):
 def test_a_q4_k_file_computes_what_it_holds(tmp_path):
     """The direct int4 load of a Q4_K file against the same file dequantised to floats:
     within the kernels' bf16 arithmetic, the same greedy tokens almost everywhere."""
-    _tiny("v3", num_hidden_layers=KQ_LAYERS, **KQ_SHAPE).save_pretrained(tmp_path)
+    tiny_gguf_deepseek("v3", num_hidden_layers=KQ_LAYERS, **KQ_SHAPE).save_pretrained(tmp_path)
     path = write_deepseek2(tmp_path, tmp_path / "q4_k.gguf", qtype="Q4_K")
     opts = dict(dtype="bfloat16", num_blocks=64, block_size=4)
     ids = list(range(5, 30))
