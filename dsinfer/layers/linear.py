@@ -30,11 +30,12 @@ class ProgramOperand:
     INT8_VNNI = 3  # a: packed int8 [out/16, in/4, 64], b: scales [out] (int8_vnni_linear)
     INT8_I16 = 4  # a: weight int8 [out, in], b: scales [out] (int8_i16_linear, AVX2)
     INT4_I8 = 5  # INT4_VNNI's tensors, int8 activations (int4_i8_linear, --int8-activations)
+    INT8_VNNI_I16 = 6  # INT8_VNNI's tensors, int16 activations (int8_vnni_i16_linear)
 
     kind: int
     a: torch.Tensor
     b: torch.Tensor | None = None
-    dense_from_rows: int = 0  # int4: widen to bf16 for one GEMM from this many rows
+    dense_from_rows: int = 0  # int4, INT8_VNNI_I16: widen to bf16 for one GEMM from this many rows
 
 
 def parameters_device(module: nn.Module) -> torch.device:

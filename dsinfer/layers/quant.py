@@ -58,6 +58,10 @@ def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torc
 # and loses on narrow ones (call overhead dominates).
 _FUSED_INT8_MIN_OUT = 8192
 _FUSED_INT8_MAX_ROWS = 64
+# Rows from which a repacked narrow int8 layer is widened to bf16 for one dense GEMM instead of
+# int8_vnni_i16_linear (SmolLM2's shapes, bf16: the kernel 2x faster at 16 rows, even at ~128,
+# 25-35% slower at 512; docs/benchmarks.md, session 35).
+_INT8_VNNI_DENSE_FROM_ROWS = 128
 # Rows from which widening an int4 weight to bf16 for one dense GEMM beats the few-rows kernel;
 # only where bf16 GEMMs are native (AVX-512 BF16). Our layout's kernel (int4_bf16_linear): hot
 # in cache the widening wins from ~256 rows, but in a model's prefill it also widens cold
@@ -131,6 +135,18 @@ def int8_mm(
     if emulated_bf16:
         return ((flat.float() @ qweight.float().t()) * scales.float()).to(flat.dtype)
     return (flat @ qweight.to(flat.dtype).t()) * scales
+
+
+def int8_vnni_mm(
+    flat: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dense_from_rows: int
+) -> torch.Tensor:
+    """[M, in] activations × an int8 weight repacked by int8_vnni_pack → [M, out]: the int8 ×
+    int16 kernel below `dense_from_rows` rows, else the weight widened to bf16 (exactly) for
+    one GEMM, scaled after it (the step program's INT8_VNNI_I16 rules, kernels/step_program.cpp)."""
+    if flat.shape[0] < dense_from_rows:
+        return torch.ops.dsinfer.int8_vnni_i16_linear(flat, packed, scales)
+    wt = torch.ops.dsinfer.int8_vnni_dequantize_t(packed).to(flat.dtype)  # [in, out]
+    return (flat @ wt) * scales
 
 
 @functools.cache
@@ -236,7 +252,10 @@ def experts_format(scheme: str, experts: RoutedExperts, group_size: int) -> tupl
 @register_method("int8", "cpu")
 class Int8LinearMethod(LinearMethod):
     """W ≈ qweight · scales[:, None]; qweight int8 [out, in], scales [out] in the compute dtype.
-    torch's packed CPU kernels (and ours) take this layout: CPU only."""
+    torch's packed CPU kernels (and ours) take this layout: CPU only. With AVX-512 the fused
+    backend repacks every layer it can once after loading (int8_vnni_pack): a wide layer (the
+    LM head) then meets int8 activations (int8_vnni_linear), the others int16 activations
+    (int8_vnni_i16_linear), both reading the weight once for every row of a call."""
 
     scheme = "int8"
     tensor_names = ("qweight", "scales")
@@ -245,15 +264,16 @@ class Int8LinearMethod(LinearMethod):
         return (0, 1) if name == "qweight" else (0, None)  # scales: one per output row
 
     def __init__(self) -> None:
-        self.fused = False  # the fused backend's kernels for wide layers (use_kernels)
-        self.vnni = False  # fused backend: a wide layer repacked for int8_vnni_linear
+        self.fused = False  # the fused backend's kernels (use_kernels)
+        self.wide = False  # fused backend: a wide layer (the LM head), _wide_kernel's
+        self.vnni = False  # fused backend: repacked (int8_vnni_pack) for the AVX-512 kernels
         self.i16 = False  # fused backend, AVX2: a wide layer multiplied by int8_i16_linear
 
     def use_kernels(self, layer: nn.Module, kernels: Kernels, device_type: str) -> None:
         self.fused = _fused_cpu(kernels, device_type)
-        wide = self.fused and layer.out_features >= _FUSED_INT8_MIN_OUT
+        self.wide = self.fused and layer.out_features >= _FUSED_INT8_MIN_OUT
         if (
-            wide
+            self.fused
             and layer.out_features % 16 == 0
             and layer.in_features % 32 == 0
             and torch.ops.dsinfer.int8_vnni_supported()
@@ -261,11 +281,11 @@ class Int8LinearMethod(LinearMethod):
             self._repack_for_vnni(layer)
         # AVX2: torch's layout as it is, int16 activations (cpu_ops.cpp: 16 rows of SmolLM2's
         # head 7.6 → 6.5 ms, DeepSeek-V2's 57 → 43 ms, on a Zen 2).
-        self.i16 = wide and not self.vnni and torch.ops.dsinfer.int8_i16_supported()
+        self.i16 = self.wide and not self.vnni and torch.ops.dsinfer.int8_i16_supported()
 
     def _repack_for_vnni(self, layer: nn.Module) -> None:
-        """Post-load preparation of a wide layer (the LM head) for the int8 × int8 kernel: the
-        same bytes in the kernel's layout (offset by 128), once; torch's layout is dropped."""
+        """Post-load preparation for the AVX-512 int8 kernels: the same bytes in their layout
+        (offset by 128), once; torch's layout is dropped."""
         if self.vnni:
             return
         packed = torch.ops.dsinfer.int8_vnni_pack(layer.qweight.data)  # [O/16, K/4, 64]
@@ -282,7 +302,7 @@ class Int8LinearMethod(LinearMethod):
         """The fused kernel of a wide layer, for up to _FUSED_INT8_MAX_ROWS rows, or None:
         int8 × int8 over the repacked weight (AVX-512: activations quantised per group of 32,
         4x the rate of widening to fp32 at 16 rows), int8 × int16 over torch's (AVX2)."""
-        if self.vnni:
+        if self.vnni and self.wide:
             return torch.ops.dsinfer.int8_vnni_linear
         if self.i16:
             return torch.ops.dsinfer.int8_i16_linear
@@ -295,12 +315,12 @@ class Int8LinearMethod(LinearMethod):
             return _finish(kernel(flat, layer.qweight, layer.scales), x, bias)
         if not self.vnni:
             return _finish(int8_mm(flat, layer.qweight, layer.scales, self.fused), x, bias)
-        # Many rows are prompt logprobs, a measurement: the weight widened for one exact GEMM.
-        # The int8 × int8 kernel would be faster here too (56 vs 141 ms at 512 rows) but moves
+        # The head's many rows (prompt logprobs, a measurement) are widened for one exact GEMM.
+        # The int8 × int8 kernel would be faster there (56 vs 141 ms at 512 rows) but moves
         # SmolLM2's prompt perplexity of the 81-token gate text by −0.7% (7.932 → 7.879; +0.06%
         # on 213 tokens): rounding noise, yet past the 0.5% gate.
-        wt = torch.ops.dsinfer.int8_vnni_dequantize_t(layer.qweight).to(flat.dtype)
-        return _finish((flat @ wt) * layer.scales, x, bias)
+        dense_from = 0 if self.wide else _INT8_VNNI_DENSE_FROM_ROWS
+        return _finish(int8_vnni_mm(flat, layer.qweight, layer.scales, dense_from), x, bias)
 
     def apply_fp32(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
@@ -317,7 +337,7 @@ class Int8LinearMethod(LinearMethod):
     def reads_rows(self) -> bool:
         """Whether `rows` serves a tied embedding: once the fused backend took the layer (the
         repacked layout, or torch's under the AVX2 kernel)."""
-        return self._wide_kernel() is not None
+        return self.vnni or self.i16
 
     def rows(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows of the dequantised weight, W[ids] [T, in] in `dtype`: w · s in fp32, rounded
@@ -335,6 +355,13 @@ class Int8LinearMethod(LinearMethod):
         # The program applies the same rules with the fused kernels (the fused backend only).
         if not self.fused:
             return None
+        if self.vnni and not self.wide:
+            return ProgramOperand(
+                ProgramOperand.INT8_VNNI_I16,
+                layer.qweight,
+                layer.scales,
+                _INT8_VNNI_DENSE_FROM_ROWS,
+            )
         kind = (
             ProgramOperand.INT8_VNNI
             if self.vnni
@@ -507,6 +534,7 @@ class Int8ExpertsMethod(ExpertsMethod):
 
     def __init__(self) -> None:
         self.fused = False  # the fused backend's int8 kernel for single rows (use_kernels)
+        self.vnni = False  # fused backend: each expert repacked for int8_vnni_i16_linear
 
     def create_weights(self, experts: nn.Module, e: int, two_i: int, h: int) -> None:
         for which, shape in (("13", (e, two_i, h)), ("2", (e, h, two_i // 2))):
@@ -522,16 +550,35 @@ class Int8ExpertsMethod(ExpertsMethod):
 
     def use_kernels(self, experts: nn.Module, kernels: Kernels, device_type: str) -> None:
         self.fused = _fused_cpu(kernels, device_type)
+        h, i = experts.hidden, experts.intermediate
+        if self.fused and h % 32 == 0 and i % 32 == 0 and torch.ops.dsinfer.int8_vnni_supported():
+            self._repack_for_vnni(experts)
+
+    def _repack_for_vnni(self, experts: nn.Module) -> None:
+        """Each expert's weight → int8_vnni_pack's layout (as a narrow int8 Linear's), stacked
+        again: [E, out / 16, in / 4, 64]; torch's layout is dropped."""
+        if self.vnni:
+            return
+        for which in ("13", "2"):
+            q = getattr(experts, f"q{which}").data
+            packed = torch.stack([torch.ops.dsinfer.int8_vnni_pack(q[e]) for e in range(len(q))])
+            setattr(experts, f"q{which}", nn.Parameter(packed, requires_grad=False))
+        self.vnni = True
 
     def matmul(self, experts: nn.Module, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
         q, scales = getattr(experts, f"q{which}")[e], getattr(experts, f"s{which}")[e]
-        return int8_mm(x.contiguous(), q, scales, self.fused)
+        if not self.vnni:
+            return int8_mm(x.contiguous(), q, scales, self.fused)
+        return int8_vnni_mm(x.contiguous(), q, scales, _INT8_VNNI_DENSE_FROM_ROWS)
 
     def program_operand(self, experts: nn.Module, which: str, e: int) -> ProgramOperand | None:
-        # int8_mm's rules with the fused kernels: the program's INT8 kind (fused backend only).
+        # `matmul`'s rules with the fused kernels (fused backend only).
         if not self.fused:
             return None
         q, scales = getattr(experts, f"q{which}")[e], getattr(experts, f"s{which}")[e]
+        if self.vnni:
+            kind = ProgramOperand.INT8_VNNI_I16
+            return ProgramOperand(kind, q, scales, _INT8_VNNI_DENSE_FROM_ROWS)
         return ProgramOperand(ProgramOperand.INT8, q, scales)
 
     @torch.no_grad()

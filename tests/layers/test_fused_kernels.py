@@ -519,6 +519,80 @@ def test_int8_int8_dot_kernel_equals_its_definition(rows: int) -> None:
         )
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 127, 128])
+@pytest.mark.parametrize("out_f,in_f", [(64, 96), (576, 1536)])
+def test_narrow_int8_kernel_equals_its_definition(rows: int, out_f: int, in_f: int) -> None:
+    """The other int8 layers' AVX-512 kernel (int8_vnni_i16_linear, over the repacked weight):
+    activations rounded to int16 per group of 32, d = max|x| / 32767, exact integer dots.
+    Against that definition in fp64 (fp32 rows) and against the unrounded product within half
+    a step a weight (both dtypes); a row's result does not depend on its batch; a layer the
+    fused backend repacked answers as the kernel below 128 rows and as the exact int8 weight
+    widened from 128; and a stack of int8 experts is repacked and multiplied the same way."""
+    from dsinfer.layers.moe import MoEConfig, RoutedExperts
+    from dsinfer.layers.quant import Int8ExpertsMethod, Int8LinearMethod
+
+    if not torch.ops.dsinfer.int8_vnni_supported():
+        pytest.skip("no AVX512-VNNI/BF16 on this CPU: narrow int8 layers keep torch's layout")
+    g = torch.Generator().manual_seed(13)
+    q = quantize_int8(torch.randn(out_f, in_f, generator=g), torch.float32)
+    packed = torch.ops.dsinfer.int8_vnni_pack(q["qweight"])
+    x = torch.randn(rows, in_f, generator=g)
+    x[:, 7] = 9.0  # an outlier sets its group's step
+    groups = x.view(rows, in_f // 32, 32)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    # fp32, as the kernel rounds: x · (32767 / max|x|) to nearest even (a tensor division:
+    # `32767 / amax` would multiply by amax's reciprocal, another fp32 value).
+    inv = torch.full_like(amax, 32767.0) / amax
+    xq = torch.round(groups * inv) * (amax / 32767)
+    w = q["qweight"].double() * q["scales"].double()[:, None]
+    want = xq.view(rows, in_f).double() @ w.t()
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = torch.ops.dsinfer.int8_vnni_i16_linear(xd, packed, q["scales"])
+        assert got.dtype == dtype and got.shape == (rows, out_f)
+        if dtype == torch.float32:  # fp32 sums of exact integer dots: their rounding only
+            scale_of_terms = xq.view(rows, in_f).double().abs() @ w.abs().t()
+            assert ((got.double() - want).abs() <= 1e-6 * scale_of_terms + 1e-6).all()
+        exact = xd.double() @ w.t()
+        step = xd.double().view(rows, -1, 32).abs().amax(-1) / 32767  # [rows, groups]
+        half_steps = (step / 2) @ w.abs().view(out_f, -1, 32).sum(-1).t()
+        bound = half_steps + (2**-8 if dtype == torch.bfloat16 else 1e-5) * exact.abs() + 1e-4
+        assert ((got.double() - exact).abs() <= bound).all()
+        alone = torch.cat(
+            [torch.ops.dsinfer.int8_vnni_i16_linear(r, packed, q["scales"]) for r in xd.split(1)]
+        )
+        assert torch.equal(got, alone)
+    layer = Linear(in_f, out_f, method=Int8LinearMethod())
+    layer.qweight.data.copy_(q["qweight"])
+    layer.scales.data.copy_(q["scales"])
+    layer.use_kernels(FUSED_CPU, "cpu")
+    assert layer.method.vnni and not layer.method.wide and torch.equal(layer.qweight, packed)
+    xb = x.bfloat16()
+    kernel = torch.ops.dsinfer.int8_vnni_i16_linear(xb, packed, q["scales"])
+    dense = (xb @ q["qweight"].bfloat16().t()) * q["scales"]
+    assert torch.equal(layer(xb), kernel if rows < 128 else dense)
+    # Two experts, hidden in_f, intermediate out_f / 2: w13 [2, out_f, in_f], w2 [2, in_f, out_f / 2].
+    cfg = MoEConfig(hidden_size=in_f, intermediate_size=out_f // 2, num_experts=2, top_k=1)
+    experts = RoutedExperts(cfg)
+    experts.set_method(Int8ExpertsMethod())
+    for which, shape in (("13", (2, out_f, in_f)), ("2", (2, in_f, out_f // 2))):
+        part = [quantize_int8(torch.randn(shape[1:], generator=g), torch.float32) for _ in "ab"]
+        getattr(experts, f"q{which}").data.copy_(torch.stack([p["qweight"] for p in part]))
+        getattr(experts, f"s{which}").data.copy_(torch.stack([p["scales"] for p in part]))
+    plain = experts.q2[1].clone()
+    experts.method.use_kernels(experts, FUSED_CPU, "cpu")
+    assert experts.method.vnni
+    assert torch.equal(experts.q2[1], torch.ops.dsinfer.int8_vnni_pack(plain))
+    h = torch.randn(rows, out_f // 2, generator=g).bfloat16()
+    got = experts.method.matmul(experts, h, "2", 1)
+    if rows < 128:
+        assert torch.equal(
+            got, torch.ops.dsinfer.int8_vnni_i16_linear(h, experts.q2[1], experts.s2[1])
+        )
+    else:
+        assert torch.equal(got, (h @ plain.bfloat16().t()) * experts.s2[1])
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
 @pytest.mark.parametrize("out_f,in_f", [(97, 72), (64, 4128)])
 def test_int8_int16_dot_kernel_equals_its_definition(rows: int, out_f: int, in_f: int) -> None:

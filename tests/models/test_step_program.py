@@ -132,7 +132,12 @@ def _tiny(
 )
 def test_tiny_program_equals_eager(tmp_path, family: str, quantization: str, dtype: str):
     """Dense weights with a qkv bias, int8 weights, fp32 activations."""
-    _assert_program_equals_eager(_tiny(family, tmp_path, quantization, dtype))
+    llm = _tiny(family, tmp_path, quantization, dtype)
+    if quantization == "int8" and torch.ops.dsinfer.int8_vnni_supported():
+        # Narrow int8 layers repacked for int8_vnni_i16_linear (the program's INT8_VNNI_I16).
+        method = llm.engine.executor.runner.model.model.layers[0].mlp.down_proj.method
+        assert method.vnni and not method.wide
+    _assert_program_equals_eager(llm)
 
 
 def test_wide_int8_program_equals_eager(tmp_path):
@@ -204,7 +209,7 @@ TINY_INT4_KV_LORA = 48  # _tiny_deepseek's latent width under int4 (DEEPSEEK_COM
 
 def _kv_lora(quantization: str) -> int:
     """_tiny_deepseek's kv_lora_rank for this quantisation."""
-    return TINY_INT4_KV_LORA if quantization == "int4" else DEEPSEEK_COMMON["kv_lora_rank"]
+    return TINY_INT4_KV_LORA if quantization != "none" else DEEPSEEK_COMMON["kv_lora_rank"]
 
 
 def _tiny_deepseek(path, case: str, quantization: str, dtype: str, **kwargs) -> LLM:  # noqa: ANN001
@@ -219,8 +224,9 @@ def _tiny_deepseek(path, case: str, quantization: str, dtype: str, **kwargs) -> 
 
     version, extra = DEEPSEEK_CASES[case]
     config = {**DEEPSEEK_COMMON, **extra}
-    if quantization == "int4":
-        # The int4 kernels' layout takes 64 outputs at a time and inputs in groups of 32.
+    if quantization != "none":
+        # The int4 kernels' layout takes 64 outputs at a time and inputs in groups of 32; the
+        # int8 ones' 16 outputs and 32 inputs at a time.
         config.update(
             hidden_size=128,
             intermediate_size=128,
@@ -268,8 +274,9 @@ def test_deepseek_program_equals_eager(tmp_path, case: str, quantization: str, d
     # Both paths on every intra-op thread: a dense fp32 GEMM's sums depend on the thread
     # count, which capture measures per bucket (a tiny model may take one thread for 16 rows).
     model.step_program.threads = {}
-    if quantization == "int4":  # the routed experts took the int4 kernels' layout
-        assert model.model.layers[1].mlp.experts.method.vnni
+    if quantization == "int4" or torch.ops.dsinfer.int8_vnni_supported():
+        # The routed experts (and the narrow int8 layers) took the kernels' layout.
+        assert quantization == "none" or model.model.layers[1].mlp.experts.method.vnni
     _assert_program_equals_eager(llm, ((7,), (5, 9, 17), tuple(range(3, 15))))
     out = llm.generate(
         {"prompt_token_ids": [5, 9, 33]},

@@ -3183,6 +3183,24 @@ at::Tensor int8_vnni_dequantize_t(const at::Tensor& packed) {
   auto out = at::empty({K, O}, packed.options().dtype(at::kBFloat16));
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   auto* op = out.data_ptr<c10::BFloat16>();
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  // A 64-byte run (16 outputs × 4 inputs) → 4 rows of 16 outputs: byte i of each dword is
+  // input i's (a prefill of the narrow int8 layers widens them each call: SmolLM2's 960 × 576
+  // one code at a time took ~0.5 ms, as long as the GEMM it feeds).
+  at::parallel_for(0, K / 4, 4, [&](int64_t q0, int64_t q1) {
+    const __m512i low = _mm512_set1_epi32(0xFF), bias = _mm512_set1_epi32(128);
+    for (int64_t q = q0; q < q1; ++q)
+      for (int64_t ob = 0; ob < OB; ++ob) {
+        const __m512i v = _mm512_loadu_si512(pp + (ob * (K / 4) + q) * 64);
+        for (int i = 0; i < 4; ++i) {
+          const __m512i w = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * i), low), bias);
+          _mm256_storeu_si256((__m256i*)(op + (q * 4 + i) * O + ob * 16),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_cvtepi32_ps(w)));
+        }
+      }
+  });
+  return out;
+#endif
   at::parallel_for(0, K, 4, [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k)
       for (int64_t row = 0; row < O; ++row)
@@ -3294,6 +3312,129 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const
   } else {
     run(out.data_ptr<c10::BFloat16>());
   }
+#endif
+  return out;
+}
+
+// ---- int8 weights × int16 activations in the same layout (AVX-512): the other int8 layers ----
+// The int8 layers that are not an LM head (the Q5_0/Q6_K/Q8_0 parts of a Q4_K_M file, every
+// layer under --quantization int8) met torch's packed kernel, whose time grows with the rows,
+// or from 16 rows a widening of the weight to bf16 on every call: 16 streams of SmolLM2's
+// Q4_K_M spent ~75% of a 27 ms step there. Here the weight, packed once by int8_vnni_pack,
+// is read once per chunk of rows, and `vpdpwssd` multiplies 32 (weight, activation) int16
+// pairs an instruction into exact int32 sums. The activations are rounded to int16 per group
+// of 32 (d = max|x| / 32767: an error of at most 2^-16 of the group's largest value, ~250×
+// finer than their own bf16 rounding; the AVX2 int4 kernel's arithmetic, not the int8
+// activations that cost perplexity). A packed dword holds w + 128 of inputs k..k+3 of one
+// output; its bytes 0 and 2 (1 and 3), as int16 words, are the pair (k, k+2) ((k+1, k+3)),
+// met by the activations laid out in that pair order once per call. Per group g, in int32:
+//   Σ_{k∈g} w[o,k] xq[m,k] = Σ_{k∈g} (w[o,k] + 128) xq[m,k] − 128 Σ_{k∈g} xq[m,k]
+// (at most 32 · 255 · 32767 < 2^31), then y[m, o] = s[o] · Σ_g d[m, g] · that. A row's
+// arithmetic does not depend on the other rows of the call (batch invariance).
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+struct I16GroupPairs {
+  int64_t K, G;
+  std::unique_ptr<int32_t[]> pairs;  // [M, K / 2]: two int16 activations a dword, the pair order
+  std::unique_ptr<float[]> scale;    // [M, G]: d
+  std::unique_ptr<int32_t[]> offset;  // [M, G]: 128 · Σ xq (the weights' +128)
+
+  explicit I16GroupPairs(const at::Tensor& x)
+      : K(x.size(1)), G(x.size(1) / 32), pairs(new int32_t[x.size(0) * x.size(1) / 2]),
+        scale(new float[x.size(0) * G]), offset(new int32_t[x.size(0) * G]) {
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const void* xp = x.const_data_ptr();
+    // Within each run of 4 words: 0 2 1 3, the weights' pair order.
+    alignas(64) int16_t order[32];
+    for (int i = 0; i < 32; ++i) {
+      static constexpr int16_t kRun[4] = {0, 2, 1, 3};
+      order[i] = static_cast<int16_t>(i / 4 * 4 + kRun[i % 4]);
+    }
+    const __m512i idx = _mm512_load_si512(order);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t at = m * K + g * 32;
+          const __m512 a = bf16 ? load16(static_cast<const c10::BFloat16*>(xp) + at)
+                                : _mm512_loadu_ps(static_cast<const float*>(xp) + at);
+          const __m512 b = bf16 ? load16(static_cast<const c10::BFloat16*>(xp) + at + 16)
+                                : _mm512_loadu_ps(static_cast<const float*>(xp) + at + 16);
+          const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(a)), _mm512_reduce_max_ps(_mm512_abs_ps(b)));
+          const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+          // Rounded to nearest even (cvtps), as round_to_int; |x · inv| ≤ 32767.
+          const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+          const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+          const __m512i q16 =
+              _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(qa)), _mm512_cvtepi32_epi16(qb), 1);
+          _mm512_storeu_si512(pairs.get() + at / 2, _mm512_permutexvar_epi16(idx, q16));
+          scale[m * G + g] = amax / 32767.f;
+          offset[m * G + g] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        }
+    });
+  }
+  const int32_t* row(int64_t m) const { return pairs.get() + m * (K / 2); }
+};
+
+// 16 outputs (one packed block) for M rows: out[m][16] = Σ_g d[m, g] · Σ_{k∈g} w · xq. Two sum
+// chains a row, (k, k+2) pairs and (k+1, k+3) pairs, in that order for every row count.
+template <int M>
+inline void vnni16_block(const uint8_t* wb, int64_t K, const I16GroupPairs& x, int64_t m0, float* out) {
+  const __m512i low = _mm512_set1_epi16(0x00FF);
+  const int64_t G = K / 32;
+  const int32_t* xr[M];
+  for (int m = 0; m < M; ++m) xr[m] = x.row(m0 + m);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i even[M], odd[M];
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < 8; ++q) {  // 8 quads of inputs in a group
+      const __m512i wv = _mm512_loadu_si512(wb + (g * 8 + q) * 64);
+      const __m512i we = _mm512_and_si512(wv, low), wo = _mm512_srli_epi16(wv, 8);
+      for (int m = 0; m < M; ++m) {
+        const int32_t* xp = xr[m] + (g * 8 + q) * 2;
+        even[m] = _mm512_dpwssd_epi32(even[m], we, _mm512_set1_epi32(xp[0]));
+        odd[m] = _mm512_dpwssd_epi32(odd[m], wo, _mm512_set1_epi32(xp[1]));
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(even[m], odd[m]),
+                                           _mm512_set1_epi32(x.offset[(m0 + m) * G + g]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(x.scale[(m0 + m) * G + g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * 16, acc[m]);
+}
+#endif
+
+// x [M, K] (fp32 or bf16) × the packed int8 weight (int8_vnni_pack), scales [O] → [M, O] in x's
+// dtype, the activations rounded to int16 per group of 32 (above).
+at::Tensor int8_vnni_i16_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(int8_vnni_supported(), "int8_vnni_i16_linear: this build has no AVX512-VNNI/BF16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int8_vnni_i16_linear: contiguous [M, K] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int8_vnni_i16_linear: fp32 or bf16 activations");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64 && packed.scalar_type() == at::kByte,
+              "int8_vnni_i16_linear: packed [O/16, K/4, 64] expected");
+  const int64_t M = x.size(0), K = x.size(1), OB = packed.size(0), O = OB * 16;
+  TORCH_CHECK(packed.size(1) * 4 == K && K % 32 == 0 && scales.numel() == O, "int8_vnni_i16_linear: shape mismatch");
+  auto out = at::empty({M, O}, x.options());
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  const at::Tensor sf = scales.to(at::kFloat).contiguous();
+  const I16GroupPairs xq(x);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* sp = sf.data_ptr<float>();
+  const auto run = [&](auto* op) {
+    for_output_blocks<8>(
+        M, OB, 4,
+        [&](int64_t ob, int64_t m0, auto rows, float* tile) {
+          vnni16_block<decltype(rows)::value>(pp + ob * (K / 4) * 64, K, xq, m0, tile);
+        },
+        [&](int64_t m, int64_t ob, const float* t) {
+          store16(op + m * O + ob * 16, _mm512_mul_ps(_mm512_loadu_ps(sp + ob * 16), _mm512_loadu_ps(t)));
+        });
+  };
+  if (x.scalar_type() == at::kBFloat16) run(out.data_ptr<c10::BFloat16>());
+  else run(out.data_ptr<float>());
 #endif
   return out;
 }
@@ -3797,6 +3938,7 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("int4_i8_supported() -> bool");
   m.def("int8_vnni_pack(Tensor w) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor packed, Tensor scales, bool fp32_out=False) -> Tensor");
+  m.def("int8_vnni_i16_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("int8_vnni_dequantize_t(Tensor packed) -> Tensor");
   m.def("int8_vnni_rows(Tensor packed, Tensor scales, Tensor ids, ScalarType dtype) -> Tensor");
   m.def(
@@ -3863,6 +4005,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("int8_vnni_pack", &int8_vnni_pack);
   m.impl("int8_vnni_linear", &int8_vnni_linear);
   m.impl("int8_i16_linear", &int8_i16_linear);
+  m.impl("int8_vnni_i16_linear", &int8_vnni_i16_linear);
   m.impl("int8_vnni_dequantize_t", &int8_vnni_dequantize_t);
   m.impl("int8_vnni_rows", &int8_vnni_rows);
 }

@@ -21,7 +21,16 @@ namespace {
 #define DSINFER_RANGE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
 // How a captured projection multiplies (the quantisation method of the layer says which).
-enum ProgramLinearKind : int64_t { kDense = 0, kInt4Vnni = 1, kInt8 = 2, kInt8Vnni = 3, kInt8I16 = 4, kInt4I8 = 5 };
+enum ProgramLinearKind : int64_t {
+  kDense = 0,
+  kInt4Vnni = 1,
+  kInt8 = 2,
+  kInt8Vnni = 3,
+  kInt8I16 = 4,
+  kInt4I8 = 5,
+  kInt8VnniI16 = 6,
+  kLastLinearKind = kInt8VnniI16
+};
 
 struct ProgramLinear {
   int64_t kind = kDense;
@@ -29,7 +38,7 @@ struct ProgramLinear {
   at::Tensor b;  // int4: scales/zeros [O/16, G, 2, 16] bf16; int8: scales [O]
                  // (int8 VNNI: a is the packed weight [O/16, K/4, 64])
   c10::optional<at::Tensor> bias;
-  int64_t dense_from_rows = 0;  // int4: widen to bf16 for one GEMM from this many rows
+  int64_t dense_from_rows = 0;  // int4, int8 × int16: widen to bf16 for one GEMM from this many rows
 };
 
 // Whether torch's own bf16 GEMM runs at the hardware's rate here (AVX512-BF16 or AMX):
@@ -98,6 +107,14 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
         y = at::mm(x, int8_vnni_dequantize_t(l.a).to(x.scalar_type())) * l.b;
       }
       break;
+    case kInt8VnniI16:  // quant.py's Int8LinearMethod.apply on a repacked narrow layer
+      if (rows < l.dense_from_rows) {
+        DSINFER_RANGE("dsinfer::int8_vnni_i16_linear");
+        y = int8_vnni_i16_linear(x, l.a, l.b);
+      } else {
+        y = at::mm(x, int8_vnni_dequantize_t(l.a).to(x.scalar_type())) * l.b;
+      }
+      break;
     default:
       TORCH_CHECK(false, "step program: unknown linear kind ", l.kind);
   }
@@ -153,7 +170,7 @@ struct DecodeProgram : torch::CustomClassHolder {
   void add_linear(int64_t kind, at::Tensor a, at::Tensor b, c10::optional<at::Tensor> bias,
                   int64_t dense_from_rows) {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "step program: add_layer first");
-    TORCH_CHECK(kind >= kDense && kind <= kInt4I8, "step program: unknown kind ", kind);
+    TORCH_CHECK(kind >= kDense && kind <= kLastLinearKind, "step program: unknown kind ", kind);
     layers_.back().linears.push_back({kind, std::move(a), std::move(b), std::move(bias), dense_from_rows});
   }
 

@@ -165,7 +165,7 @@ struct MlaDecodeProgram : torch::CustomClassHolder {
   void add_linear(const std::string& part, int64_t kind, at::Tensor a, at::Tensor b,
                   c10::optional<at::Tensor> bias, int64_t dense_from_rows) {
     TORCH_CHECK(!layers_.empty(), "step program: add_layer first");
-    TORCH_CHECK(kind >= kDense && kind <= kInt4I8, "step program: unknown kind ", kind);
+    TORCH_CHECK(kind >= kDense && kind <= kLastLinearKind, "step program: unknown kind ", kind);
     MlaProgramLayer& L = layers_.back();
     ProgramLinear lin{kind, std::move(a), std::move(b), std::move(bias), dense_from_rows};
     if (part == "attn") {
