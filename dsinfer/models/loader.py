@@ -23,7 +23,7 @@ from torch import nn
 
 from dsinfer.config import QUANTISED_SCHEMES, ModelConfig, parse_dtype
 from dsinfer.device import native_bf16_matmul
-from dsinfer.device.host_memory import available_bytes, release_freed_memory
+from dsinfer.device.host_memory import available_bytes, release_freed_memory, scratch_heap
 from dsinfer.distributed.parallel_state import parallel_state
 from dsinfer.layers.linear import default_weight_loader, fused_target
 from dsinfer.layers.quant import (
@@ -428,7 +428,8 @@ def load_model(
             and unsplit()
             and on_cpu
         ):
-            direct = pack_gguf_int4(net, reader, cfg, tdtype, formats)  # gguf_int4.py
+            with scratch_heap():  # its temporaries: GBs for a DeepSeek file
+                direct = pack_gguf_int4(net, reader, cfg, tdtype, formats)  # gguf_int4.py
         if reader is not None:
             weights = iter_gguf_tensors(reader, cfg, skip=direct)
         else:

@@ -206,6 +206,41 @@ def test_loading_maps_large_storages_and_serving_keeps_them_on_the_heap() -> Non
     assert huge >= 64 << 20  # past the serving threshold: mapped, as glibc's own would
 
 
+_SCRATCH_PROBE = """
+import ctypes, torch
+from dsinfer.device.host_memory import loading_heap, scratch_heap
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+
+def mapped_by(nbytes):
+    before = libc.mallinfo2().hblkhd
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    grown = libc.mallinfo2().hblkhd - before
+    del t
+    return grown
+
+with loading_heap():
+    with scratch_heap():
+        scratch = mapped_by(4 << 20)
+    after = mapped_by(4 << 20)
+print(scratch, after)
+"""
+
+
+def test_a_scratch_phase_of_a_load_keeps_its_temporaries_on_the_heap() -> None:
+    """Inside loading_heap, scratch_heap (the direct GGUF packing's GBs of temporaries) puts a
+    4 MiB storage on the heap, not in a fresh mapping faulted in page by page; after it the
+    load's threshold is back (the same storage mapped by itself)."""
+    scratch, after = (int(x) for x in run_fresh_python(_SCRATCH_PROBE).split())
+    assert scratch == 0
+    assert after >= 4 << 20
+
+
 _ARENA_PROBE = r"""
 import ctypes, os, re, tempfile, threading
 import torch
