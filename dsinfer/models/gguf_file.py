@@ -330,11 +330,16 @@ def dequantised(t: GGUFTensor) -> torch.Tensor:
             f"cannot dequantise; supported: {sorted(_SUPPORTED_QTYPES)}"
         )
     shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
-    w = _fast_dequantize(t.data, qname)
+    return block_values(t.data, t.tensor_type).reshape(shape)
+
+
+def block_values(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """A tensor's bytes, or a slice of whole rows of them, as flat fp32 (a copy)."""
+    w = _fast_dequantize(data, tensor_type.name)
     if w is None:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = gguf.quants.dequantize(data, tensor_type)
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if not arr.flags.writeable:  # F32 tensors come back as a read-only view of the mmap
             arr = arr.copy()
         w = torch.from_numpy(arr)
-    return w.reshape(shape)
+    return w.reshape(-1)

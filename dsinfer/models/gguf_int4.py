@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dsinfer.config import ModelConfig
-from dsinfer.layers.int4_pack import int4_block_rows, int4pack_from_codes
+from dsinfer.layers.int4_pack import int4pack_from_codes
 from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.moe import RoutedExperts
 from dsinfer.layers.quant import (
@@ -38,7 +38,7 @@ from dsinfer.layers.quant import (
 from dsinfer.models.gguf_deepseek import expert_stacks
 from dsinfer.models.gguf_file import (
     EXACT_INT4,
-    dequantised,
+    block_values,
     hf_name,
     native_format,
     permuted_heads,
@@ -113,45 +113,53 @@ def _pack_experts(
     return direct
 
 
+# Experts decoded and packed a pass: a pass's temporaries stay in cache (a DeepSeek-V2-Lite
+# expert is 2.9M weights: 2.9 MB of codes, 11.5 MB as fp32 for a Q8_0 down stack). Whole
+# stacks at once (184M weights) spent ~60 s of its 70 s load in memory-bound torch passes.
+_EXPERTS_A_PASS = 2
+
+
 def _pack_expert_stacks(
     experts: RoutedExperts, found: dict[str, GGUFTensor], dtype: torch.dtype
 ) -> None:
-    """gate | up (w13) and down (w2) stacks → Int4ExpertsMethod's q / sz stacks, each stack
-    in one pass."""
+    """gate | up (w13) and down (w2) stacks → Int4ExpertsMethod's q / sz stacks, a few
+    experts at a time (_EXPERTS_A_PASS)."""
     n = experts.num_experts
-
-    def codes(t: GGUFTensor) -> tuple[torch.Tensor, ...]:
-        # GGUF dims [in, out, E] innermost first → codes [E, out, in], scale / zero [E, out, G]
-        out_f, in_f = int(t.shape[1]), int(t.shape[0])
-        if t.tensor_type.name in EXACT_INT4:
-            q, scale, zero = q4_blocks(t.data, t.tensor_type.name, rows=n * out_f)
-        else:  # another type (a Q4_K_M file's Q6_K down): its values, quantised as compile would
-            q, scale, zero = int4_codes(dequantised(t).view(n * out_f, in_f), GROUP)
-        return q.view(n, out_f, in_f), scale.view(n, out_f, -1), zero.view(n, out_f, -1)
-
-    def packed(*stacks: GGUFTensor) -> tuple[torch.Tensor, ...]:
-        """Stacks joined along `out` (gate, then up) → torch's int4 bytes, scale, zero."""
-        parts = [codes(t) for t in stacks]
-        if len(parts) == 1:
-            q, scale, zero = parts[0]
-            return int4pack_from_codes(q), scale, zero
-        scale, zero = (torch.cat([p[i] for p in parts], dim=1) for i in (1, 2))
-        rows = int4_block_rows()
-        if rows is not None and all(p[0].shape[1] % rows == 0 for p in parts):
-            # Whole blocks of rows each: the joined bytes are the parts' bytes, joined.
-            return torch.cat([int4pack_from_codes(p[0]) for p in parts], dim=1), scale, zero
-        return int4pack_from_codes(torch.cat([p[0] for p in parts], dim=1)), scale, zero
-
-    w13 = packed(found["gate_up"]) if "gate_up" in found else packed(found["gate"], found["up"])
+    gate_up = [found["gate_up"]] if "gate_up" in found else [found["gate"], found["up"]]
     experts.set_method(experts_method("int4", GROUP))
-    for which, (q, scale, zero) in (("13", w13), ("2", packed(found["down"]))):
-        want = getattr(experts, f"q{which}").shape
-        if tuple(q.shape) != tuple(want):
+    for which, stacks in (("13", gate_up), ("2", [found["down"]])):
+        out_f, in_f = sum(int(t.shape[1]) for t in stacks), int(stacks[0].shape[0])
+        want = tuple(getattr(experts, f"q{which}").shape)
+        if (n, out_f, in_f // 2) != want:
             raise ValueError(
-                f"GGUF expert stack {tuple(q.shape)} does not match the model's {tuple(want)}"
+                f"GGUF expert stack {(n, out_f, in_f // 2)} does not match the model's {want}"
             )
+        q = torch.empty(want, dtype=torch.uint8)
+        sz = torch.empty(n, in_f // GROUP, out_f, 2, dtype=dtype)
+        for e0 in range(0, n, _EXPERTS_A_PASS):
+            e1 = min(n, e0 + _EXPERTS_A_PASS)
+            parts = [_expert_codes(t, n, e0, e1) for t in stacks]  # joined along `out`
+            codes, scale, zero = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))
+            q[e0:e1] = int4pack_from_codes(codes)
+            sz[e0:e1] = int4_pairs(scale, zero, dtype)  # [e, G, out, 2]
         getattr(experts, f"q{which}").data = q
-        getattr(experts, f"sz{which}").data = int4_pairs(scale, zero, dtype)  # [E, G, out, 2]
+        getattr(experts, f"sz{which}").data = sz
+
+
+def _expert_codes(t: GGUFTensor, n: int, e0: int, e1: int) -> tuple[torch.Tensor, ...]:
+    """Experts [e0, e1) of a GGUF stack of n (dims [in, out, E] innermost first) → codes
+    [e, out, in], scale and zero [e, out, in / 32]: a 4-bit stack's blocks as they are, another
+    type's values (a Q4_K_M file's Q5_0/Q8_0/Q6_K down) quantised as compile would."""
+    out_f, in_f = int(t.shape[1]), int(t.shape[0])
+    raw = t.data.reshape(-1)
+    per = raw.shape[0] // n  # bytes an expert: whole rows of blocks
+    data, rows = raw[e0 * per : e1 * per], (e1 - e0) * out_f
+    if t.tensor_type.name in EXACT_INT4:
+        q, scale, zero = q4_blocks(data, t.tensor_type.name, rows=rows)
+    else:
+        q, scale, zero = int4_codes(block_values(data, t.tensor_type).view(rows, in_f), GROUP)
+    e = e1 - e0
+    return q.view(e, out_f, in_f), scale.view(e, out_f, -1), zero.view(e, out_f, -1)
 
 
 def keep_file_precision(
