@@ -203,7 +203,7 @@ def q4_codes(
     nibbles of its 16 code bytes, 16..31 the high ones."""
     if qname == "Q4_K":
         return _q4k_codes(data)
-    raw = _file_bytes(data).view(-1, _BLOCK_BYTES[qname])
+    raw = file_bytes(data).view(-1, _BLOCK_BYTES[qname])
     d = raw[:, 0:2].contiguous().view(torch.float16).float()
     codes = raw[:, 4:] if qname == "Q4_1" else raw[:, 2:]
     m = raw[:, 2:4].contiguous().view(torch.float16).float() if qname == "Q4_1" else None
@@ -220,7 +220,7 @@ def _q4k_codes(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     low 4 bits from bytes 8..11 (low / high nibble) and their top 2 bits from the top 2 bits
     of bytes 0..3 / 4..7). Each 32 code bytes hold two groups: 2j in the low nibbles, 2j + 1
     in the high ones. The products are fp32, as llama.cpp and the gguf package compute them."""
-    raw = _file_bytes(data).view(-1, _BLOCK_BYTES["Q4_K"])
+    raw = file_bytes(data).view(-1, _BLOCK_BYTES["Q4_K"])
     n = raw.shape[0]
     d = raw[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
     dmin = raw[:, 2:4].contiguous().view(torch.float16).float()
@@ -234,7 +234,7 @@ def _q4k_codes(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return codes.reshape(-1, 32), scale, minimum
 
 
-def _file_bytes(data: np.ndarray) -> torch.Tensor:
+def file_bytes(data: np.ndarray) -> torch.Tensor:
     """A tensor over a tensor's bytes in the (read-only) file map, without a copy: only read
     from, never written (torch warns on any non-writable buffer; the warning is moot here)."""
     with warnings.catch_warnings():
@@ -256,7 +256,7 @@ def _fast_dequantize(data: np.ndarray, qname: str) -> torch.Tensor | None:
 
 def _blocks_of_32_values(data: np.ndarray, qname: str) -> torch.Tensor:
     """Q8_0 / Q5_0 blocks of 32 → flat fp32, in cache-sized chunks (see _BLOCKS_A_PASS)."""
-    blocks = _file_bytes(data).view(-1, _BLOCK_BYTES[qname])
+    blocks = file_bytes(data).view(-1, _BLOCK_BYTES[qname])
     out = torch.empty(blocks.shape[0], 32)
     for start in range(0, blocks.shape[0], _BLOCKS_A_PASS):
         raw = blocks[start : start + _BLOCKS_A_PASS]

@@ -21,10 +21,12 @@ import logging
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from dsinfer.config import ModelConfig
 from dsinfer.layers.int4_pack import int4pack_from_codes
+from dsinfer.layers.kernels.cpu_build import load_cpu_ops
 from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.moe import RoutedExperts
 from dsinfer.layers.quant import (
@@ -39,6 +41,7 @@ from dsinfer.models.gguf_deepseek import expert_stacks
 from dsinfer.models.gguf_file import (
     EXACT_INT4,
     block_values,
+    file_bytes,
     hf_name,
     native_format,
     permuted_heads,
@@ -53,10 +56,32 @@ GROUP = 32
 
 def q4_blocks(data: np.ndarray, qname: str, rows: int) -> tuple[torch.Tensor, ...]:
     """One Q4_0/Q4_1/Q4_K tensor's bytes → codes [rows, K] (uint8, 0..15), scale and zero
-    [rows, K / 32] fp32 such that x = (q − 8)·scale + zero."""
+    [rows, K / 32] fp32 such that x = (q − 8)·scale + zero (torch's ops: int4_groups' fallback
+    and the definition the kernel is tested against)."""
     q, d, m = q4_codes(data, qname)
     zero = m + 8 * d if m is not None else torch.zeros_like(d)
     return q.view(rows, -1), d.view(rows, -1), zero.view(rows, -1)
+
+
+# The block types the fused kernels' one-pass decoder takes (cpu_ops.cpp: gguf_int4_groups).
+_KERNEL_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2, "Q5_0": 3, "Q8_0": 4}
+
+
+def int4_groups(
+    data: np.ndarray, tensor_type: GGMLQuantizationType, rows: int, in_f: int
+) -> tuple[torch.Tensor, ...]:
+    """Whole rows of a GGUF tensor's bytes → codes [rows, in_f] (uint8, 0..15), scale and
+    zero [rows, in_f / 32] fp32: a 4-bit type's blocks as they are, another type's values (a
+    Q4_K_M file's Q5_0/Q8_0/Q6_K expert down stacks) quantised as compile would (int4_codes).
+    In one pass by the fused kernels where they load (the same bits as torch's passes, ~10x
+    faster), else with torch's ops."""
+    qname = tensor_type.name
+    if qname in _KERNEL_TYPES and load_cpu_ops() is None:
+        raw = file_bytes(data.reshape(-1))
+        return torch.ops.dsinfer.gguf_int4_groups(raw, _KERNEL_TYPES[qname], rows, in_f)
+    if qname in EXACT_INT4:
+        return q4_blocks(data, qname, rows)
+    return int4_codes(block_values(data, tensor_type).view(rows, in_f), GROUP)
 
 
 def pack_gguf_int4(
@@ -78,7 +103,7 @@ def pack_gguf_int4(
         if module not in layers or not target.endswith(".weight"):
             continue
         direct.add(t.name)
-        q, scale, zero = q4_blocks(t.data, t.tensor_type.name, rows=int(t.shape[1]))
+        q, scale, zero = int4_groups(t.data, t.tensor_type, int(t.shape[1]), int(t.shape[0]))
         reader.release(t)
         heads = permuted_heads(name, cfg)
         if heads is not None:
@@ -153,11 +178,7 @@ def _expert_codes(t: GGUFTensor, n: int, e0: int, e1: int) -> tuple[torch.Tensor
     out_f, in_f = int(t.shape[1]), int(t.shape[0])
     raw = t.data.reshape(-1)
     per = raw.shape[0] // n  # bytes an expert: whole rows of blocks
-    data, rows = raw[e0 * per : e1 * per], (e1 - e0) * out_f
-    if t.tensor_type.name in EXACT_INT4:
-        q, scale, zero = q4_blocks(data, t.tensor_type.name, rows=rows)
-    else:
-        q, scale, zero = int4_codes(block_values(data, t.tensor_type).view(rows, in_f), GROUP)
+    q, scale, zero = int4_groups(raw[e0 * per : e1 * per], t.tensor_type, (e1 - e0) * out_f, in_f)
     e = e1 - e0
     return q.view(e, out_f, in_f), scale.view(e, out_f, -1), zero.view(e, out_f, -1)
 

@@ -3445,6 +3445,115 @@ at::Tensor int8_vnni_i16_linear(const at::Tensor& x, const at::Tensor& packed, c
   return out;
 }
 
+// ---- GGUF blocks → int4 groups of 32, at load (models/gguf_int4.py) -------------------------
+// The direct 4-bit GGUF load turns a file's blocks into int4 codes, scales and zeros, per
+// group of 32: the 4-bit types as they are (Q4_0 x = d·(q − 8); Q4_1 x = d·q + m; Q4_K's super-
+// blocks of 8 groups, scale d·sc and minimum −dmin·mn), and a Q4_K_M file's 5- and 8-bit
+// expert stacks (Q5_0, Q8_0) decoded and quantised to int4 as `int4_codes` does (min/max per
+// group, step (max − min) / 15). In torch these were ~10 passes over GBs of temporaries
+// (DeepSeek-V2-Lite: ~29 s of a ~45 s pack); here one pass over the blocks, a row a task. The
+// arithmetic is the torch path's, operation for operation in fp32 (gguf_file.q4_codes,
+// quant.int4_codes): the same bits (tests/models/test_gguf_kquants.py).
+enum GgufBlockType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ5_0 = 3, kQ8_0 = 4 };
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// One group of 32 values → int4 codes, scale and zero as quant.int4_codes computes them.
+inline void int4_group(const float* v, uint8_t* q, float* scale, float* zero) {
+  float lo = v[0], hi = v[0];
+  for (int i = 1; i < 32; ++i) {
+    lo = std::min(lo, v[i]);
+    hi = std::max(hi, v[i]);
+  }
+  const float s = std::max((hi - lo) / 15.0f, 1e-12f);
+  for (int i = 0; i < 32; ++i) {
+    const float r = std::nearbyint((v[i] - lo) / s);  // to nearest even, as torch.round
+    q[i] = static_cast<uint8_t>(std::min(15.f, std::max(0.f, r)));
+  }
+  *scale = s;
+  *zero = lo + 8.0f * s;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_int4_groups(const at::Tensor& raw, int64_t type, int64_t rows,
+                                                                 int64_t K) {
+  TORCH_CHECK(raw.dim() == 1 && raw.is_contiguous() && raw.scalar_type() == at::kByte,
+              "gguf_int4_groups: the tensor's bytes, flat uint8");
+  TORCH_CHECK(K % 32 == 0 && (type != kQ4_K || K % 256 == 0), "gguf_int4_groups: whole blocks a row");
+  static constexpr int64_t kBlockBytes[] = {18, 20, 144, 22, 34};
+  static constexpr int64_t kBlockValues[] = {32, 32, 256, 32, 32};
+  TORCH_CHECK(type >= kQ4_0 && type <= kQ8_0, "gguf_int4_groups: unknown block type ", type);
+  const int64_t row_bytes = K / kBlockValues[type] * kBlockBytes[type], G = K / 32;
+  TORCH_CHECK(raw.numel() == rows * row_bytes, "gguf_int4_groups: ", raw.numel(), " bytes for ", rows,
+              " rows of ", row_bytes);
+  auto codes = at::empty({rows, K}, raw.options());
+  auto scale = at::empty({rows, G}, raw.options().dtype(at::kFloat));
+  auto zero = at::empty({rows, G}, raw.options().dtype(at::kFloat));
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* sp = scale.data_ptr<float>();
+  float* zp = zero.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    float v[32];
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = rp + r * row_bytes;
+      uint8_t* q = cp + r * K;
+      float* sc = sp + r * G;
+      float* zr = zp + r * G;
+      if (type == kQ4_K) {
+        for (int64_t b = 0; b < K / 256; ++b) {
+          const uint8_t* blk = row + b * 144;
+          const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
+          const uint8_t *lo_sc = blk + 4, *lo_mn = blk + 8, *high = blk + 12, *qs = blk + 16;
+          for (int j = 0; j < 8; ++j) {
+            const int s6 = j < 4 ? lo_sc[j] & 63 : (high[j - 4] & 15) | ((lo_sc[j - 4] >> 6) << 4);
+            const int m6 = j < 4 ? lo_mn[j] & 63 : (high[j - 4] >> 4) | ((lo_mn[j - 4] >> 6) << 4);
+            const float step = d * static_cast<float>(s6), minimum = -(dmin * static_cast<float>(m6));
+            const uint8_t* src = qs + (j / 2) * 32;  // group 2c in the low nibbles, 2c + 1 high
+            uint8_t* dst = q + b * 256 + j * 32;
+            for (int i = 0; i < 32; ++i) dst[i] = j % 2 ? src[i] >> 4 : src[i] & 15;
+            sc[b * 8 + j] = step;
+            zr[b * 8 + j] = minimum + 8.0f * step;
+          }
+        }
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* blk = row + g * kBlockBytes[type];
+        const float d = fp16_at(blk);
+        uint8_t* dst = q + g * 32;
+        if (type == kQ4_0 || type == kQ4_1) {
+          const uint8_t* src = blk + (type == kQ4_1 ? 4 : 2);
+          for (int i = 0; i < 16; ++i) {
+            dst[i] = src[i] & 15;
+            dst[i + 16] = src[i] >> 4;
+          }
+          sc[g] = d;
+          zr[g] = type == kQ4_1 ? fp16_at(blk + 2) + 8.0f * d : 0.f;
+          continue;
+        }
+        if (type == kQ8_0) {
+          for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(static_cast<int8_t>(blk[2 + i])) * d;
+        } else {  // Q5_0: bit i of the little-endian u32 at 2 is weight i's fifth bit; x = d·(q − 16)
+          uint32_t hb;
+          std::memcpy(&hb, blk + 2, 4);
+          for (int i = 0; i < 16; ++i) {
+            const int lo = blk[6 + i] & 15, hi = blk[6 + i] >> 4;
+            const int b0 = static_cast<int>((hb >> i) & 1), b1 = static_cast<int>((hb >> (i + 16)) & 1);
+            v[i] = static_cast<float>((lo | (b0 << 4)) - 16) * d;
+            v[i + 16] = static_cast<float>((hi | (b1 << 4)) - 16) * d;
+          }
+        }
+        int4_group(v, dst, sc + g, zr + g);
+      }
+    }
+  });
+  return {codes, scale, zero};
+}
+
 // Constrained decoding: logits[r, t] = -inf where bit t % 32 of word t / 32 of bitmask[r] is
 // clear (xgrammar's layout). In place. Words with every bit set (all allowed: most of a JSON
 // string's vocabulary) are skipped, so a step costs ~V/32 word reads per row.
@@ -3945,6 +4054,7 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("int8_vnni_pack(Tensor w) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor packed, Tensor scales, bool fp32_out=False) -> Tensor");
   m.def("int8_vnni_i16_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  m.def("gguf_int4_groups(Tensor raw, int type, int rows, int K) -> (Tensor, Tensor, Tensor)");
   m.def("int8_vnni_dequantize_t(Tensor packed) -> Tensor");
   m.def("int8_vnni_rows(Tensor packed, Tensor scales, Tensor ids, ScalarType dtype) -> Tensor");
   m.def(
@@ -4012,6 +4122,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("int8_vnni_linear", &int8_vnni_linear);
   m.impl("int8_i16_linear", &int8_i16_linear);
   m.impl("int8_vnni_i16_linear", &int8_vnni_i16_linear);
+  m.impl("gguf_int4_groups", &gguf_int4_groups);
   m.impl("int8_vnni_dequantize_t", &int8_vnni_dequantize_t);
   m.impl("int8_vnni_rows", &int8_vnni_rows);
 }
