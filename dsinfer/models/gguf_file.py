@@ -191,7 +191,7 @@ _NOT_PROJECTIONS = frozenset({"token_embd.weight", "output.weight"})
 # Bytes per block: Q4_0 / Q4_1 / Q5_0 / Q8_0 hold 32 weights (fp16 scale, fp16 minimum for Q4_1,
 # then the codes); Q4_K 256 (fp16 d and dmin, 12 bytes of 6-bit scales and minima, 128 of
 # codes).
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
 
 
 def q4_codes(
@@ -246,24 +246,47 @@ def _fast_dequantize(data: np.ndarray, qname: str) -> torch.Tensor | None:
     """Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 blocks → flat fp32 with torch's vectorised ops (the
     gguf package's numpy path took ~5 s for SmolLM2, this ~0.3 s); None for other types. Q8_0
     x = d·q."""
-    if qname in _BLOCKS_OF_32:
-        return _blocks_of_32_values(data, qname)
+    if qname in _CHUNKED:
+        return _chunked_values(data, qname)
     if qname not in EXACT_INT4:
         return None
     q, d, m = q4_codes(data, qname)
     return (q.float() * d + m if m is not None else (q.float() - 8) * d).reshape(-1)
 
 
-def _blocks_of_32_values(data: np.ndarray, qname: str) -> torch.Tensor:
-    """Q8_0 / Q5_0 blocks of 32 → flat fp32, in cache-sized chunks (see _BLOCKS_A_PASS)."""
+def _chunked_values(data: np.ndarray, qname: str) -> torch.Tensor:
+    """Q8_0 / Q5_0 / Q6_K blocks → flat fp32, in cache-sized chunks (see _VALUES_A_PASS)."""
     blocks = file_bytes(data).view(-1, _BLOCK_BYTES[qname])
-    out = torch.empty(blocks.shape[0], 32)
-    for start in range(0, blocks.shape[0], _BLOCKS_A_PASS):
-        raw = blocks[start : start + _BLOCKS_A_PASS]
+    per = 256 if qname == "Q6_K" else 32
+    out = torch.empty(blocks.shape[0], per)
+    step = _VALUES_A_PASS // per
+    for start in range(0, blocks.shape[0], step):
+        raw = blocks[start : start + step]
+        if qname == "Q6_K":
+            _q6_k_values(raw, out[start : start + step])
+            continue
         d = raw[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
         q = _q8_0_codes(raw) if qname == "Q8_0" else _q5_0_codes(raw)
-        torch.mul(q, d, out=out[start : start + _BLOCKS_A_PASS])
+        torch.mul(q, d, out=out[start : start + step])
     return out.reshape(-1)
+
+
+def _q6_k_values(raw: torch.Tensor, out: torch.Tensor) -> None:
+    """Q6_K super-blocks of 256 [n, 210] → values [n, 256] (out), the gguf package's steps
+    in fp32: 128 bytes of low nibbles (ql), 64 of high 2-bit pairs (qh), 16 int8 scales of 16
+    weights each, fp16 d; weight 32·j + i (j < 8) has q = (low | high << 4) − 32 from ql's
+    half j // 4, nibble (j // 2) % 2 and qh's half j // 4, bit pair j % 4, and x = (d·sc)·q."""
+    n = raw.shape[0]
+    ql = raw[:, :128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    qh = raw[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(
+        4, 1
+    )
+    low = (ql & 15).reshape(n, 8, 32)
+    high = (qh & 3).reshape(n, 8, 32)
+    q = (low | (high << 4)).view(torch.int8).float() - 32  # [n, 8, 32]
+    sc = raw[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    d = raw[:, 208:210].contiguous().view(torch.float16).float()  # [n, 1]
+    torch.mul((d * sc)[..., None], q.view(n, 16, 16), out=out.view(n, 16, 16))
 
 
 def _q8_0_codes(raw: torch.Tensor) -> torch.Tensor:
@@ -282,10 +305,10 @@ def _q5_0_codes(raw: torch.Tensor) -> torch.Tensor:
     return (low | (high << 4)).float() - 16
 
 
-_BLOCKS_OF_32 = ("Q8_0", "Q5_0")  # decoded by _blocks_of_32_values
-# Blocks of 32 decoded a pass: ~4 MB of fp32, so each pass's temporaries stay in cache (a whole
+_CHUNKED = ("Q8_0", "Q5_0", "Q6_K")  # decoded by _chunked_values
+# Values decoded a pass: ~4 MB of fp32, so each pass's temporaries stay in cache (a whole
 # 184M-weight expert stack at once ran ~4× slower, memory-bound).
-_BLOCKS_A_PASS = 1 << 15
+_VALUES_A_PASS = 1 << 20
 
 
 def iter_gguf_tensors(
