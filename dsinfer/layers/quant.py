@@ -141,12 +141,37 @@ def int8_vnni_mm(
     flat: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dense_from_rows: int
 ) -> torch.Tensor:
     """[M, in] activations × an int8 weight repacked by int8_vnni_pack → [M, out]: the int8 ×
-    int16 kernel below `dense_from_rows` rows, else the weight widened to bf16 (exactly) for
-    one GEMM, scaled after it (the step program's INT8_VNNI_I16 rules, kernels/step_program.cpp)."""
-    if flat.shape[0] < dense_from_rows:
+    int16 kernel below `dense_from_rows` rows (0: every row count), else the weight widened to
+    bf16 (exactly) for one GEMM, scaled after it (the step program's INT8_VNNI_I16 rules,
+    kernels/step_program.cpp)."""
+    if dense_from_rows == 0 or flat.shape[0] < dense_from_rows:
         return torch.ops.dsinfer.int8_vnni_i16_linear(flat, packed, scales)
+    return int8_vnni_dense(flat, packed, scales)
+
+
+def int8_vnni_dense(flat: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The repacked int8 weight widened to bf16 (exactly) for one GEMM, scaled after it."""
     wt = torch.ops.dsinfer.int8_vnni_dequantize_t(packed).to(flat.dtype)  # [in, out]
     return (flat @ wt) * scales
+
+
+def _int8_vnni_dense_from() -> int:
+    """Rows from which a repacked narrow int8 layer is widened for a dense GEMM: where bf16
+    GEMMs are native (AVX-512 BF16); 0 (never) on AVX2, where torch's bf16 GEMM is emulated
+    (~1 GFLOP/s) and the int16 kernel takes every row count, as the AVX2 int4 kernel does."""
+    return _INT8_VNNI_DENSE_FROM_ROWS if torch.ops.dsinfer.int8_vnni_supported() else 0
+
+
+def _int8_repacks(kernels: Kernels, device_type: str, out_f: int, in_f: int, wide: bool) -> bool:
+    """Whether the fused backend repacks an int8 weight [out_f, in_f] for int8_vnni_pack's
+    kernels: a wide one (the LM head) for the int8 × int8 kernel (AVX-512), the others for the
+    int8 × int16 one (AVX-512 or AVX2; AVX2 keeps a wide layer in torch's layout for
+    int8_i16_linear)."""
+    if not _fused_cpu(kernels, device_type) or out_f % 16 or in_f % 32:
+        return False
+    if wide:
+        return torch.ops.dsinfer.int8_vnni_supported()
+    return torch.ops.dsinfer.int8_vnni_i16_supported()
 
 
 @functools.cache
@@ -268,17 +293,14 @@ class Int8LinearMethod(LinearMethod):
         self.wide = False  # fused backend: a wide layer (the LM head), _wide_kernel's
         self.vnni = False  # fused backend: repacked (int8_vnni_pack) for the AVX-512 kernels
         self.i16 = False  # fused backend, AVX2: a wide layer multiplied by int8_i16_linear
+        self.dense_from = 0  # repacked narrow layer: widen from this many rows (0: never)
 
     def use_kernels(self, layer: nn.Module, kernels: Kernels, device_type: str) -> None:
         self.fused = _fused_cpu(kernels, device_type)
         self.wide = self.fused and layer.out_features >= _FUSED_INT8_MIN_OUT
-        if (
-            self.fused
-            and layer.out_features % 16 == 0
-            and layer.in_features % 32 == 0
-            and torch.ops.dsinfer.int8_vnni_supported()
-        ):
+        if _int8_repacks(kernels, device_type, layer.out_features, layer.in_features, self.wide):
             self._repack_for_vnni(layer)
+            self.dense_from = _int8_vnni_dense_from()
         # AVX2: torch's layout as it is, int16 activations (cpu_ops.cpp: 16 rows of SmolLM2's
         # head 7.6 → 6.5 ms, DeepSeek-V2's 57 → 43 ms, on a Zen 2).
         self.i16 = self.wide and not self.vnni and torch.ops.dsinfer.int8_i16_supported()
@@ -319,8 +341,9 @@ class Int8LinearMethod(LinearMethod):
         # The int8 × int8 kernel would be faster there (56 vs 141 ms at 512 rows) but moves
         # SmolLM2's prompt perplexity of the 81-token gate text by −0.7% (7.932 → 7.879; +0.06%
         # on 213 tokens): rounding noise, yet past the 0.5% gate.
-        dense_from = 0 if self.wide else _INT8_VNNI_DENSE_FROM_ROWS
-        return _finish(int8_vnni_mm(flat, layer.qweight, layer.scales, dense_from), x, bias)
+        if self.wide:
+            return _finish(int8_vnni_dense(flat, layer.qweight, layer.scales), x, bias)
+        return _finish(int8_vnni_mm(flat, layer.qweight, layer.scales, self.dense_from), x, bias)
 
     def apply_fp32(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
@@ -357,10 +380,7 @@ class Int8LinearMethod(LinearMethod):
             return None
         if self.vnni and not self.wide:
             return ProgramOperand(
-                ProgramOperand.INT8_VNNI_I16,
-                layer.qweight,
-                layer.scales,
-                _INT8_VNNI_DENSE_FROM_ROWS,
+                ProgramOperand.INT8_VNNI_I16, layer.qweight, layer.scales, self.dense_from
             )
         kind = (
             ProgramOperand.INT8_VNNI
@@ -535,6 +555,7 @@ class Int8ExpertsMethod(ExpertsMethod):
     def __init__(self) -> None:
         self.fused = False  # the fused backend's int8 kernel for single rows (use_kernels)
         self.vnni = False  # fused backend: each expert repacked for int8_vnni_i16_linear
+        self.dense_from = 0  # ... widened from this many rows (0: never)
 
     def create_weights(self, experts: nn.Module, e: int, two_i: int, h: int) -> None:
         for which, shape in (("13", (e, two_i, h)), ("2", (e, h, two_i // 2))):
@@ -550,9 +571,14 @@ class Int8ExpertsMethod(ExpertsMethod):
 
     def use_kernels(self, experts: nn.Module, kernels: Kernels, device_type: str) -> None:
         self.fused = _fused_cpu(kernels, device_type)
-        h, i = experts.hidden, experts.intermediate
-        if self.fused and h % 32 == 0 and i % 32 == 0 and torch.ops.dsinfer.int8_vnni_supported():
+        h, two_i = experts.hidden, 2 * experts.intermediate
+        # Both stacks: w13 [2I, H] and w2 [H, I].
+        if all(
+            _int8_repacks(kernels, device_type, o, k, False)
+            for o, k in ((two_i, h), (h, two_i // 2))
+        ):
             self._repack_for_vnni(experts)
+            self.dense_from = _int8_vnni_dense_from()
 
     def _repack_for_vnni(self, experts: nn.Module) -> None:
         """Each expert's weight → int8_vnni_pack's layout (as a narrow int8 Linear's), stacked
@@ -569,7 +595,7 @@ class Int8ExpertsMethod(ExpertsMethod):
         q, scales = getattr(experts, f"q{which}")[e], getattr(experts, f"s{which}")[e]
         if not self.vnni:
             return int8_mm(x.contiguous(), q, scales, self.fused)
-        return int8_vnni_mm(x.contiguous(), q, scales, _INT8_VNNI_DENSE_FROM_ROWS)
+        return int8_vnni_mm(x.contiguous(), q, scales, self.dense_from)
 
     def program_operand(self, experts: nn.Module, which: str, e: int) -> ProgramOperand | None:
         # `matmul`'s rules with the fused kernels (fused backend only).
@@ -577,8 +603,7 @@ class Int8ExpertsMethod(ExpertsMethod):
             return None
         q, scales = getattr(experts, f"q{which}")[e], getattr(experts, f"s{which}")[e]
         if self.vnni:
-            kind = ProgramOperand.INT8_VNNI_I16
-            return ProgramOperand(kind, q, scales, _INT8_VNNI_DENSE_FROM_ROWS)
+            return ProgramOperand(ProgramOperand.INT8_VNNI_I16, q, scales, self.dense_from)
         return ProgramOperand(ProgramOperand.INT8, q, scales)
 
     @torch.no_grad()

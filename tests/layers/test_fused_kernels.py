@@ -531,8 +531,11 @@ def test_narrow_int8_kernel_equals_its_definition(rows: int, out_f: int, in_f: i
     from dsinfer.layers.moe import MoEConfig, RoutedExperts
     from dsinfer.layers.quant import Int8ExpertsMethod, Int8LinearMethod
 
-    if not torch.ops.dsinfer.int8_vnni_supported():
-        pytest.skip("no AVX512-VNNI/BF16 on this CPU: narrow int8 layers keep torch's layout")
+    if not torch.ops.dsinfer.int8_vnni_i16_supported():
+        pytest.skip("neither AVX512-VNNI/BF16 nor AVX2: narrow int8 layers keep torch's layout")
+    # Widened for a dense GEMM from 128 rows where bf16 GEMMs are native (AVX-512), never on
+    # AVX2 (torch's bf16 GEMM emulated there).
+    dense_from = 128 if torch.ops.dsinfer.int8_vnni_supported() else 0
     g = torch.Generator().manual_seed(13)
     q = quantize_int8(torch.randn(out_f, in_f, generator=g), torch.float32)
     packed = torch.ops.dsinfer.int8_vnni_pack(q["qweight"])
@@ -567,10 +570,12 @@ def test_narrow_int8_kernel_equals_its_definition(rows: int, out_f: int, in_f: i
     layer.scales.data.copy_(q["scales"])
     layer.use_kernels(FUSED_CPU, "cpu")
     assert layer.method.vnni and not layer.method.wide and torch.equal(layer.qweight, packed)
+    assert layer.method.dense_from == dense_from
+    widened = dense_from and rows >= dense_from
     xb = x.bfloat16()
     kernel = torch.ops.dsinfer.int8_vnni_i16_linear(xb, packed, q["scales"])
     dense = (xb @ q["qweight"].bfloat16().t()) * q["scales"]
-    assert torch.equal(layer(xb), kernel if rows < 128 else dense)
+    assert torch.equal(layer(xb), dense if widened else kernel)
     # Two experts, hidden in_f, intermediate out_f / 2: w13 [2, out_f, in_f], w2 [2, in_f, out_f / 2].
     cfg = MoEConfig(hidden_size=in_f, intermediate_size=out_f // 2, num_experts=2, top_k=1)
     experts = RoutedExperts(cfg)
@@ -585,7 +590,7 @@ def test_narrow_int8_kernel_equals_its_definition(rows: int, out_f: int, in_f: i
     assert torch.equal(experts.q2[1], torch.ops.dsinfer.int8_vnni_pack(plain))
     h = torch.randn(rows, out_f // 2, generator=g).bfloat16()
     got = experts.method.matmul(experts, h, "2", 1)
-    if rows < 128:
+    if not widened:
         assert torch.equal(
             got, torch.ops.dsinfer.int8_vnni_i16_linear(h, experts.q2[1], experts.s2[1])
         )

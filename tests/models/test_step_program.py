@@ -133,7 +133,7 @@ def _tiny(
 def test_tiny_program_equals_eager(tmp_path, family: str, quantization: str, dtype: str):
     """Dense weights with a qkv bias, int8 weights, fp32 activations."""
     llm = _tiny(family, tmp_path, quantization, dtype)
-    if quantization == "int8" and torch.ops.dsinfer.int8_vnni_supported():
+    if quantization == "int8" and torch.ops.dsinfer.int8_vnni_i16_supported():
         # Narrow int8 layers repacked for int8_vnni_i16_linear (the program's INT8_VNNI_I16).
         method = llm.engine.executor.runner.model.model.layers[0].mlp.down_proj.method
         assert method.vnni and not method.wide
@@ -274,7 +274,7 @@ def test_deepseek_program_equals_eager(tmp_path, case: str, quantization: str, d
     # Both paths on every intra-op thread: a dense fp32 GEMM's sums depend on the thread
     # count, which capture measures per bucket (a tiny model may take one thread for 16 rows).
     model.step_program.threads = {}
-    if quantization == "int4" or torch.ops.dsinfer.int8_vnni_supported():
+    if quantization == "int4" or torch.ops.dsinfer.int8_vnni_i16_supported():
         # The routed experts (and the narrow int8 layers) took the kernels' layout.
         assert quantization == "none" or model.model.layers[1].mlp.experts.method.vnni
     _assert_program_equals_eager(llm, ((7,), (5, 9, 17), tuple(range(3, 15))))

@@ -3410,12 +3410,80 @@ inline void vnni16_block(const uint8_t* wb, int64_t K, const I16GroupPairs& x, i
   }
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * 16, acc[m]);
 }
+#elif DSINFER_AVX2_QUANT
+// The same arithmetic on 8 lanes (AVX2 has `vpmaddwd`: 16 int16 products an instruction into
+// 8 int32 sums): the activations rounded by round_to_int (the same values as the AVX-512
+// path's), laid out in the weights' pair order; each 64-byte chunk of the packed weight read
+// as two halves of 8 outputs, as the AVX2 int4 kernel reads its codes.
+struct I16GroupPairs {
+  int64_t K, G;
+  std::unique_ptr<int32_t[]> pairs;   // [M, K / 2]
+  std::unique_ptr<float[]> scale;     // [M, G]
+  std::unique_ptr<int32_t[]> offset;  // [M, G]: 128 · Σ xq
+
+  explicit I16GroupPairs(const at::Tensor& x)
+      : K(x.size(1)), G(x.size(1) / 32), pairs(new int32_t[x.size(0) * x.size(1) / 2]),
+        scale(new float[x.size(0) * G]), offset(new int32_t[x.size(0) * G]) {
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    const void* xp = x.const_data_ptr();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t m0, int64_t m1) {
+      float v[32];
+      int16_t q[32];
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t at = m * K + g * 32;
+          int32_t total;
+          scale[m * G + g] = round_to_int<int16_t>(xp, bf16, at, 32, v, q, &total);
+          offset[m * G + g] = 128 * total;
+          int32_t* out = pairs.get() + at / 2;
+          for (int c = 0; c < 8; ++c) {  // quad c: dwords (k, k+2), (k+1, k+3)
+            const int k = c * 4;
+            out[c * 2] = static_cast<int32_t>(static_cast<uint16_t>(q[k]) |
+                                              (static_cast<uint32_t>(static_cast<uint16_t>(q[k + 2])) << 16));
+            out[c * 2 + 1] = static_cast<int32_t>(static_cast<uint16_t>(q[k + 1]) |
+                                                  (static_cast<uint32_t>(static_cast<uint16_t>(q[k + 3])) << 16));
+          }
+        }
+    });
+  }
+  const int32_t* row(int64_t m) const { return pairs.get() + m * (K / 2); }
+};
+
+template <int M>
+inline void vnni16_block(const uint8_t* wb, int64_t K, const I16GroupPairs& x, int64_t m0, float* out) {
+  const __m256i low = _mm256_set1_epi16(0x00FF);
+  const int64_t G = K / 32;
+  for (int h = 0; h < 2; ++h) {  // outputs 8h .. 8h + 7: bytes 32h .. 32h + 31 of each chunk
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __v8si dot[M];  // GCC vector types and `+=`, as i16_block (registers, not the stack)
+      for (int m = 0; m < M; ++m) dot[m] = (__v8si)_mm256_set1_epi32(-x.offset[(m0 + m) * G + g]);
+      for (int64_t q = 0; q < 8; ++q) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i*)(wb + (g * 8 + q) * 64 + h * 32));
+        const __m256i we = _mm256_and_si256(wv, low), wo = _mm256_srli_epi16(wv, 8);
+        for (int m = 0; m < M; ++m) {
+          const int32_t* xp = x.row(m0 + m) + (g * 8 + q) * 2;
+          dot[m] += (__v8si)_mm256_madd_epi16(we, _mm256_set1_epi32(xp[0]));
+          dot[m] += (__v8si)_mm256_madd_epi16(wo, _mm256_set1_epi32(xp[1]));
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps((__m256i)dot[m]), _mm256_set1_ps(x.scale[(m0 + m) * G + g]),
+                                 acc[m]);
+    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * 16 + h * 8, acc[m]);
+  }
+}
 #endif
+
+// Whether int8_vnni_i16_linear runs here: its AVX-512 or its AVX2 arithmetic.
+bool int8_vnni_i16_supported() { return DSINFER_AVX512_VNNI_BF16 || DSINFER_AVX2_QUANT; }
 
 // x [M, K] (fp32 or bf16) × the packed int8 weight (int8_vnni_pack), scales [O] → [M, O] in x's
 // dtype, the activations rounded to int16 per group of 32 (above).
 at::Tensor int8_vnni_i16_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  TORCH_CHECK(int8_vnni_supported(), "int8_vnni_i16_linear: this build has no AVX512-VNNI/BF16");
+  TORCH_CHECK(int8_vnni_i16_supported(), "int8_vnni_i16_linear: this build has neither AVX512-VNNI/BF16 nor AVX2/FMA");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int8_vnni_i16_linear: contiguous [M, K] expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "int8_vnni_i16_linear: fp32 or bf16 activations");
@@ -3437,6 +3505,25 @@ at::Tensor int8_vnni_i16_linear(const at::Tensor& x, const at::Tensor& packed, c
         },
         [&](int64_t m, int64_t ob, const float* t) {
           store16(op + m * O + ob * 16, _mm512_mul_ps(_mm512_loadu_ps(sp + ob * 16), _mm512_loadu_ps(t)));
+        });
+  };
+  if (x.scalar_type() == at::kBFloat16) run(out.data_ptr<c10::BFloat16>());
+  else run(out.data_ptr<float>());
+#elif DSINFER_AVX2_QUANT
+  const at::Tensor sf = scales.to(at::kFloat).contiguous();
+  const I16GroupPairs xq(x);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* sp = sf.data_ptr<float>();
+  const auto run = [&](auto* op) {
+    for_output_blocks<4>(
+        M, OB, 4,
+        [&](int64_t ob, int64_t m0, auto rows, float* tile) {
+          vnni16_block<decltype(rows)::value>(pp + ob * (K / 4) * 64, K, xq, m0, tile);
+        },
+        [&](int64_t m, int64_t ob, const float* t) {
+          float y[16];
+          for (int l = 0; l < 16; ++l) y[l] = sp[ob * 16 + l] * t[l];
+          store_row16(op + m * O + ob * 16, y);
         });
   };
   if (x.scalar_type() == at::kBFloat16) run(out.data_ptr<c10::BFloat16>());
@@ -4054,6 +4141,7 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("int8_vnni_pack(Tensor w) -> Tensor");
   m.def("int8_vnni_linear(Tensor x, Tensor packed, Tensor scales, bool fp32_out=False) -> Tensor");
   m.def("int8_vnni_i16_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  m.def("int8_vnni_i16_supported() -> bool");
   m.def("gguf_int4_groups(Tensor raw, int type, int rows, int K) -> (Tensor, Tensor, Tensor)");
   m.def("int8_vnni_dequantize_t(Tensor packed) -> Tensor");
   m.def("int8_vnni_rows(Tensor packed, Tensor scales, Tensor ids, ScalarType dtype) -> Tensor");
@@ -4090,6 +4178,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CatchAll, m) {
   m.impl("int4_vnni_supported", &int4_vnni_supported);
   m.impl("int8_vnni_supported", &int8_vnni_supported);
   m.impl("int8_i16_supported", &int8_i16_supported);
+  m.impl("int8_vnni_i16_supported", &int8_vnni_i16_supported);
   m.impl("int4_i8_supported", &int4_i8_supported);
   m.impl("paged_prefill_supported", &paged_prefill_supported);
   m.impl("mla_projections_supported", &mla_projections_supported);

@@ -38,7 +38,7 @@ struct ProgramLinear {
   at::Tensor b;  // int4: scales/zeros [O/16, G, 2, 16] bf16; int8: scales [O]
                  // (int8 VNNI: a is the packed weight [O/16, K/4, 64])
   c10::optional<at::Tensor> bias;
-  int64_t dense_from_rows = 0;  // int4, int8 × int16: widen to bf16 for one GEMM from this many rows
+  int64_t dense_from_rows = 0;  // int4, int8 × int16: widen to bf16 for one GEMM from this many rows (0: never)
 };
 
 // Whether torch's own bf16 GEMM runs at the hardware's rate here (AVX512-BF16 or AMX):
@@ -108,7 +108,7 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
       }
       break;
     case kInt8VnniI16:  // quant.py's Int8LinearMethod.apply on a repacked narrow layer
-      if (rows < l.dense_from_rows) {
+      if (l.dense_from_rows == 0 || rows < l.dense_from_rows) {  // 0: never widened (AVX2)
         DSINFER_RANGE("dsinfer::int8_vnni_i16_linear");
         y = int8_vnni_i16_linear(x, l.a, l.b);
       } else {
