@@ -129,10 +129,10 @@ def _log_int8_activations(model: nn.Module, policy: str, requested: str) -> None
     how = f"{policy}, {requested}" if requested != policy else policy
     if took:
         logger.info(
-            "int8 activations (%s): %d of %d int4 layers (--int8-activations none: exact)",
+            "int8 activations (%s): %d of %d quantised layers (--int8-activations none: exact)",
             how,
             took,
             len(methods),
         )
     elif methods:
-        logger.info("int8 activations (%s): no int4 layer takes them here", how)
+        logger.info("int8 activations (%s): no quantised layer takes them here", how)

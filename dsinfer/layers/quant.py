@@ -291,9 +291,10 @@ class Int8LinearMethod(LinearMethod):
     def __init__(self) -> None:
         self.fused = False  # the fused backend's kernels (use_kernels)
         self.wide = False  # fused backend: a wide layer (the LM head), _wide_kernel's
-        self.vnni = False  # fused backend: repacked (int8_vnni_pack) for the AVX-512 kernels
+        self.vnni = False  # fused backend: repacked (int8_vnni_pack) for our int8 kernels
         self.i16 = False  # fused backend, AVX2: a wide layer multiplied by int8_i16_linear
         self.dense_from = 0  # repacked narrow layer: widen from this many rows (0: never)
+        self.int8 = False  # repacked narrow layer meeting int8 activations (--int8-activations)
 
     def use_kernels(self, layer: nn.Module, kernels: Kernels, device_type: str) -> None:
         self.fused = _fused_cpu(kernels, device_type)
@@ -301,6 +302,14 @@ class Int8LinearMethod(LinearMethod):
         if _int8_repacks(kernels, device_type, layer.out_features, layer.in_features, self.wide):
             self._repack_for_vnni(layer)
             self.dense_from = _int8_vnni_dense_from()
+        # --int8-activations all / out_proj: a narrow layer takes the head's int8 × int8 kernel
+        # (AVX-512 only: 1.7-1.9x the int16 kernel's rate at 16 rows of SmolLM2's shapes).
+        self.int8 = (
+            self.vnni
+            and not self.wide
+            and torch.ops.dsinfer.int8_vnni_supported()
+            and kernels.int8_for(layer.output_projection)
+        )
         # AVX2: torch's layout as it is, int16 activations (cpu_ops.cpp: 16 rows of SmolLM2's
         # head 7.6 → 6.5 ms, DeepSeek-V2's 57 → 43 ms, on a Zen 2).
         self.i16 = self.wide and not self.vnni and torch.ops.dsinfer.int8_i16_supported()
@@ -324,7 +333,7 @@ class Int8LinearMethod(LinearMethod):
         """The fused kernel of a wide layer, for up to _FUSED_INT8_MAX_ROWS rows, or None:
         int8 × int8 over the repacked weight (AVX-512: activations quantised per group of 32,
         4x the rate of widening to fp32 at 16 rows), int8 × int16 over torch's (AVX2)."""
-        if self.vnni and self.wide:
+        if self.vnni and (self.wide or self.int8):
             return torch.ops.dsinfer.int8_vnni_linear
         if self.i16:
             return torch.ops.dsinfer.int8_i16_linear
@@ -341,7 +350,7 @@ class Int8LinearMethod(LinearMethod):
         # The int8 × int8 kernel would be faster there (56 vs 141 ms at 512 rows) but moves
         # SmolLM2's prompt perplexity of the 81-token gate text by −0.7% (7.932 → 7.879; +0.06%
         # on 213 tokens): rounding noise, yet past the 0.5% gate.
-        if self.wide:
+        if self.wide or self.int8:
             return _finish(int8_vnni_dense(flat, layer.qweight, layer.scales), x, bias)
         return _finish(int8_vnni_mm(flat, layer.qweight, layer.scales, self.dense_from), x, bias)
 
@@ -378,7 +387,7 @@ class Int8LinearMethod(LinearMethod):
         # The program applies the same rules with the fused kernels (the fused backend only).
         if not self.fused:
             return None
-        if self.vnni and not self.wide:
+        if self.vnni and not (self.wide or self.int8):
             return ProgramOperand(
                 ProgramOperand.INT8_VNNI_I16, layer.qweight, layer.scales, self.dense_from
             )

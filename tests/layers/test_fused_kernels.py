@@ -598,6 +598,40 @@ def test_narrow_int8_kernel_equals_its_definition(rows: int, out_f: int, in_f: i
         assert torch.equal(got, (h @ plain.bfloat16().t()) * experts.s2[1])
 
 
+def test_int8_activations_take_the_int8_kernel_on_narrow_int8_layers() -> None:
+    """--int8-activations all (or out_proj, for the blocks' output projections): with AVX-512
+    a narrow int8 layer meets the head's int8 × int8 kernel up to 64 rows, the widened weight
+    past them; other layers keep the int16 kernel."""
+    import dataclasses
+
+    from dsinfer.layers.quant import Int8LinearMethod
+
+    if not torch.ops.dsinfer.int8_vnni_supported():
+        pytest.skip("no AVX512-VNNI/BF16 on this CPU: int8 layers keep int16 activations")
+    g = torch.Generator().manual_seed(14)
+    q = quantize_int8(torch.randn(64, 96, generator=g), torch.bfloat16)
+    packed = torch.ops.dsinfer.int8_vnni_pack(q["qweight"])
+    for policy, out_proj, int8 in (
+        ("all", False, True),
+        ("out_proj", True, True),
+        ("out_proj", False, False),
+    ):
+        layer = Linear(96, 64, method=Int8LinearMethod(), parallel="row" if out_proj else None)
+        layer.qweight.data.copy_(q["qweight"])
+        layer.scales.data = q["scales"].clone()  # bf16, the compute dtype (as a model loads)
+        layer.use_kernels(dataclasses.replace(FUSED_CPU, int8_activations=policy), "cpu")
+        assert layer.method.int8 == int8
+        for rows in (1, 64, 65):
+            x = torch.randn(rows, 96, generator=g).bfloat16()
+            if not int8:
+                want = torch.ops.dsinfer.int8_vnni_i16_linear(x, packed, q["scales"])
+            elif rows <= 64:
+                want = torch.ops.dsinfer.int8_vnni_linear(x, packed, q["scales"])
+            else:
+                want = (x @ q["qweight"].bfloat16().t()) * q["scales"]
+            assert torch.equal(layer(x), want), (policy, out_proj, rows)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16])
 @pytest.mark.parametrize("out_f,in_f", [(97, 72), (64, 4128)])
 def test_int8_int16_dot_kernel_equals_its_definition(rows: int, out_f: int, in_f: int) -> None:

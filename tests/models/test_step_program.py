@@ -103,6 +103,7 @@ def _tiny(
     dtype: str,
     hidden: int = 64,
     intermediate: int = 128,
+    **kwargs,  # noqa: ANN003
 ) -> LLM:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -123,7 +124,7 @@ def _tiny(
                 layer.self_attn.q_proj.bias.normal_(0, 0.5)
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
-    return save_and_load(model, path, "fused", dtype=dtype, quantization=quantization)
+    return save_and_load(model, path, "fused", dtype=dtype, quantization=quantization, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -138,6 +139,16 @@ def test_tiny_program_equals_eager(tmp_path, family: str, quantization: str, dty
         method = llm.engine.executor.runner.model.model.layers[0].mlp.down_proj.method
         assert method.vnni and not method.wide
     _assert_program_equals_eager(llm)
+
+
+def test_int8_activations_on_int8_layers_program_equals_eager(tmp_path):
+    """--int8-activations all on int8 weights: with AVX-512 the narrow int8 layers take the
+    int8 × int8 kernel (the program's INT8_VNNI), in the program as in the eager path."""
+    skip_without("int4_i8")  # the policy needs the int8-activation kernels' build
+    llm = _tiny("llama", tmp_path, "int8", "bfloat16", int8_activations="all")
+    method = llm.engine.executor.runner.model.model.layers[0].mlp.down_proj.method
+    assert method.int8 == bool(torch.ops.dsinfer.int8_vnni_supported())
+    _assert_program_equals_eager(llm, ((7,), tuple(range(3, 21))))
 
 
 def test_wide_int8_program_equals_eager(tmp_path):

@@ -27,9 +27,9 @@ class Kernels:
     ]
     # [T, 2I] laid out [gate | up] → silu(gate) · up: [T, I]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    # Which int4 layers meet activations rounded to int8 per group of 32 (llama.cpp's
-    # arithmetic; layers/quant.py's int4_mm): none, out_proj (the blocks' output projections,
-    # whose inputs are not an RMSNorm's output) or all (--int8-activations).
+    # Which int4 layers (and, on AVX-512, narrow int8 ones) meet activations rounded to int8 per
+    # group of 32 (llama.cpp's arithmetic; layers/quant.py): none, out_proj (the blocks' output
+    # projections, whose inputs are not an RMSNorm's output) or all (--int8-activations).
     int8_activations: str = "none"
 
     def int8_for(self, output_projection: bool) -> bool:
