@@ -277,10 +277,12 @@ def experts_format(scheme: str, experts: RoutedExperts, group_size: int) -> tupl
 @register_method("int8", "cpu")
 class Int8LinearMethod(LinearMethod):
     """W ≈ qweight · scales[:, None]; qweight int8 [out, in], scales [out] in the compute dtype.
-    torch's packed CPU kernels (and ours) take this layout: CPU only. With AVX-512 the fused
-    backend repacks every layer it can once after loading (int8_vnni_pack): a wide layer (the
-    LM head) then meets int8 activations (int8_vnni_linear), the others int16 activations
-    (int8_vnni_i16_linear), both reading the weight once for every row of a call."""
+    torch's packed CPU kernels (and ours) take this layout: CPU only. The fused backend repacks
+    the layers its kernels take once after loading (int8_vnni_pack): with AVX-512 a wide layer
+    (the LM head) then meets int8 activations (int8_vnni_linear), the others int16 activations
+    (int8_vnni_i16_linear; int8 ones under --int8-activations), each kernel reading the weight
+    once for every row of a call; with AVX2 the narrow layers take int8_vnni_i16_linear at
+    every row count and a wide one keeps torch's layout for int8_i16_linear."""
 
     scheme = "int8"
     tensor_names = ("qweight", "scales")
@@ -315,8 +317,8 @@ class Int8LinearMethod(LinearMethod):
         self.i16 = self.wide and not self.vnni and torch.ops.dsinfer.int8_i16_supported()
 
     def _repack_for_vnni(self, layer: nn.Module) -> None:
-        """Post-load preparation for the AVX-512 int8 kernels: the same bytes in their layout
-        (offset by 128), once; torch's layout is dropped."""
+        """Post-load preparation for our int8 kernels: the same bytes in their layout (offset
+        by 128), once; torch's layout is dropped."""
         if self.vnni:
             return
         packed = torch.ops.dsinfer.int8_vnni_pack(layer.qweight.data)  # [O/16, K/4, 64]

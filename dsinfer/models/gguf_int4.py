@@ -6,8 +6,8 @@ is x = d·(q − 8), zero = 0; a Q4_K super-block is 8 such groups, each with it
 minimum. So the codes are packed for the kernel as they are, and only the scales and minima
 are converted (fp32 → the activation dtype of the scales). The fused projections (q|k|v,
 gate|up) are packed once all their checkpoint shards have arrived. DeepSeek's routed experts
-(one [E, out, in] stack per projection, gguf_deepseek.py) are packed the same way, a whole
-stack in one pass, when their gate and up stacks are 4-bit (a Q4_K_M file's Q6_K down stack
+(one [E, out, in] stack per projection, gguf_deepseek.py) are packed the same way, two
+experts a pass, when their gate and up stacks are 4-bit (a Q4_K_M file's Q6_K down stack
 is quantised to int4 beside them: a stack has one format). Everything else (norms, the
 embedding, layers of other types) is dequantised one tensor at a time and quantised as each
 layer completes (QuantiseOnLoad): under `--quantization auto` a layer the file holds in 5 to
