@@ -170,7 +170,7 @@ def test_gather_copies_only_the_bytes_the_tensors_use() -> None:
 
 _HEAP_PROBE = """
 import ctypes, torch
-from dsinfer.device.host_memory import loading_heap
+from dsinfer.device.host_memory import loading_heap, scratch_heap
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
@@ -190,7 +190,12 @@ with loading_heap():
     with loading_heap():
         inner = mapped_by(4 << 20)
     outer = mapped_by(4 << 20)
-print(inner, outer, mapped_by(4 << 20), mapped_by(64 << 20))
+serving, huge = mapped_by(4 << 20), mapped_by(64 << 20)
+with loading_heap():
+    with scratch_heap():
+        scratch = mapped_by(4 << 20)
+    after = mapped_by(4 << 20)
+print(inner, outer, serving, huge, scratch, after)
 """
 
 
@@ -200,43 +205,17 @@ def test_loading_maps_large_storages_and_serving_keeps_them_on_the_heap() -> Non
     no page faults per step). Overlapping loads restore the serving values with the last. In a
     fresh process: glibc serves a request from a free heap block of the size before it maps,
     and this test process's heap has those."""
-    inner, outer, serving, huge = (int(x) for x in run_fresh_python(_HEAP_PROBE).split())
+    inner, outer, serving, huge, _, _ = (int(x) for x in run_fresh_python(_HEAP_PROBE).split())
     assert inner >= 4 << 20 and outer >= 4 << 20
     assert serving == 0
     assert huge >= 64 << 20  # past the serving threshold: mapped, as glibc's own would
-
-
-_SCRATCH_PROBE = """
-import ctypes, torch
-from dsinfer.device.host_memory import loading_heap, scratch_heap
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
-
-def mapped_by(nbytes):
-    before = libc.mallinfo2().hblkhd
-    t = torch.empty(nbytes, dtype=torch.uint8)
-    grown = libc.mallinfo2().hblkhd - before
-    del t
-    return grown
-
-with loading_heap():
-    with scratch_heap():
-        scratch = mapped_by(4 << 20)
-    after = mapped_by(4 << 20)
-print(scratch, after)
-"""
 
 
 def test_a_scratch_phase_of_a_load_keeps_its_temporaries_on_the_heap() -> None:
     """Inside loading_heap, scratch_heap (the direct GGUF packing's GBs of temporaries) puts a
     4 MiB storage on the heap, not in a fresh mapping faulted in page by page; after it the
     load's threshold is back (the same storage mapped by itself)."""
-    scratch, after = (int(x) for x in run_fresh_python(_SCRATCH_PROBE).split())
+    *_, scratch, after = (int(x) for x in run_fresh_python(_HEAP_PROBE).split())
     assert scratch == 0
     assert after >= 4 << 20
 

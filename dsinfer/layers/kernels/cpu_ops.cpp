@@ -2268,6 +2268,31 @@ inline float round_to_int(const void* x, bool bf16, int64_t at, int64_t n, float
   return amax / kLevels;
 }
 
+// Every group of 32 of x's rows (fp32 or bf16, [M, K]) rounded to int16 by round_to_int, rows
+// spread over the threads: f(m, g, d, q, total) with the group's scale d, its 32 values q and
+// their sum (the AVX2 int4 kernel's activations, and the int8 × int16 kernel's).
+template <typename F>
+inline void for_int16_groups(const at::Tensor& x, F&& f) {
+  const int64_t K = x.size(1), G = K / 32;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* xp = x.const_data_ptr();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t m0, int64_t m1) {
+    float v[32];
+    int16_t q[32];
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t total;
+        const float d = round_to_int<int16_t>(xp, bf16, m * K + g * 32, 32, v, q, &total);
+        f(m, g, d, static_cast<const int16_t*>(q), total);
+      }
+  });
+}
+
+// Two int16 values as one dword (a the low half), the operand `vpmaddwd` multiplies.
+inline int32_t int16_pair(int16_t a, int16_t b) {
+  return static_cast<int32_t>(static_cast<uint16_t>(a) | (static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16));
+}
+
 // How far ahead of its loads an AVX2 int4 kernel asks for the codes (bytes): one core's
 // hardware prefetcher alone kept too few lines in flight (SmolLM2's 30 layers at one row,
 // weights from memory, Zen 2: 5.9-6.4 ms without, 5.1 at 1 KB ahead, 5.3-5.4 at 4 KB).
@@ -2799,29 +2824,17 @@ struct I16PairRows {
         scale(new float[x.size(0) * G]), sums(new float[x.size(0) * G]) {
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
                 "int4_bf16_linear: fp32 or bf16 rows expected");
-    const int64_t M = x.size(0);
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
-    const void* xp = x.const_data_ptr();
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      float v[32];
-      int16_t q[32];
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t at = m * K + g * 32;
-          int32_t total;
-          const float d = round_to_int<int16_t>(xp, bf16, at, 32, v, q, &total);
-          // Chunk c of 8 inputs, pair p: inputs (c·8 + a, c·8 + a + 2), a = 0, 1, 4, 5.
-          static constexpr int kFirst[4] = {0, 1, 4, 5};
-          int32_t* out = pairs.get() + at / 2;
-          for (int c = 0; c < 4; ++c)
-            for (int p = 0; p < 4; ++p) {
-              const int a = c * 8 + kFirst[p];
-              out[c * 4 + p] = static_cast<int32_t>(static_cast<uint16_t>(q[a]) |
-                                                    (static_cast<uint32_t>(static_cast<uint16_t>(q[a + 2])) << 16));
-            }
-          scale[m * G + g] = d;
-          sums[m * G + g] = d * static_cast<float>(total);
+    for_int16_groups(x, [&](int64_t m, int64_t g, float d, const int16_t* q, int32_t total) {
+      // Chunk c of 8 inputs, pair p: inputs (c·8 + a, c·8 + a + 2), a = 0, 1, 4, 5.
+      static constexpr int kFirst[4] = {0, 1, 4, 5};
+      int32_t* out = pairs.get() + (m * K + g * 32) / 2;
+      for (int c = 0; c < 4; ++c)
+        for (int p = 0; p < 4; ++p) {
+          const int a = c * 8 + kFirst[p];
+          out[c * 4 + p] = int16_pair(q[a], q[a + 2]);
         }
+      scale[m * G + g] = d;
+      sums[m * G + g] = d * static_cast<float>(total);
     });
   }
   const int32_t* row(int64_t m) const { return pairs.get() + m * (K / 2); }
@@ -3424,26 +3437,14 @@ struct I16GroupPairs {
   explicit I16GroupPairs(const at::Tensor& x)
       : K(x.size(1)), G(x.size(1) / 32), pairs(new int32_t[x.size(0) * x.size(1) / 2]),
         scale(new float[x.size(0) * G]), offset(new int32_t[x.size(0) * G]) {
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
-    const void* xp = x.const_data_ptr();
-    at::parallel_for(0, x.size(0), 16, [&](int64_t m0, int64_t m1) {
-      float v[32];
-      int16_t q[32];
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t at = m * K + g * 32;
-          int32_t total;
-          scale[m * G + g] = round_to_int<int16_t>(xp, bf16, at, 32, v, q, &total);
-          offset[m * G + g] = 128 * total;
-          int32_t* out = pairs.get() + at / 2;
-          for (int c = 0; c < 8; ++c) {  // quad c: dwords (k, k+2), (k+1, k+3)
-            const int k = c * 4;
-            out[c * 2] = static_cast<int32_t>(static_cast<uint16_t>(q[k]) |
-                                              (static_cast<uint32_t>(static_cast<uint16_t>(q[k + 2])) << 16));
-            out[c * 2 + 1] = static_cast<int32_t>(static_cast<uint16_t>(q[k + 1]) |
-                                                  (static_cast<uint32_t>(static_cast<uint16_t>(q[k + 3])) << 16));
-          }
-        }
+    for_int16_groups(x, [&](int64_t m, int64_t g, float d, const int16_t* q, int32_t total) {
+      scale[m * G + g] = d;
+      offset[m * G + g] = 128 * total;
+      int32_t* out = pairs.get() + (m * K + g * 32) / 2;
+      for (int c = 0; c < 8; ++c) {  // quad c: dwords (k, k+2), (k+1, k+3)
+        out[c * 2] = int16_pair(q[c * 4], q[c * 4 + 2]);
+        out[c * 2 + 1] = int16_pair(q[c * 4 + 1], q[c * 4 + 3]);
+      }
     });
   }
   const int32_t* row(int64_t m) const { return pairs.get() + m * (K / 2); }
@@ -3492,30 +3493,15 @@ at::Tensor int8_vnni_i16_linear(const at::Tensor& x, const at::Tensor& packed, c
   const int64_t M = x.size(0), K = x.size(1), OB = packed.size(0), O = OB * 16;
   TORCH_CHECK(packed.size(1) * 4 == K && K % 32 == 0 && scales.numel() == O, "int8_vnni_i16_linear: shape mismatch");
   auto out = at::empty({M, O}, x.options());
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#if DSINFER_AVX512_VNNI_BF16 || DSINFER_AVX2_QUANT
+  // Rows a chunk: as many as the registers hold accumulators for (32 zmm / 16 ymm).
+  constexpr int kChunk = DSINFER_AVX512_VNNI_BF16 ? 8 : 4;
   const at::Tensor sf = scales.to(at::kFloat).contiguous();
   const I16GroupPairs xq(x);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = sf.data_ptr<float>();
   const auto run = [&](auto* op) {
-    for_output_blocks<8>(
-        M, OB, 4,
-        [&](int64_t ob, int64_t m0, auto rows, float* tile) {
-          vnni16_block<decltype(rows)::value>(pp + ob * (K / 4) * 64, K, xq, m0, tile);
-        },
-        [&](int64_t m, int64_t ob, const float* t) {
-          store16(op + m * O + ob * 16, _mm512_mul_ps(_mm512_loadu_ps(sp + ob * 16), _mm512_loadu_ps(t)));
-        });
-  };
-  if (x.scalar_type() == at::kBFloat16) run(out.data_ptr<c10::BFloat16>());
-  else run(out.data_ptr<float>());
-#elif DSINFER_AVX2_QUANT
-  const at::Tensor sf = scales.to(at::kFloat).contiguous();
-  const I16GroupPairs xq(x);
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float* sp = sf.data_ptr<float>();
-  const auto run = [&](auto* op) {
-    for_output_blocks<4>(
+    for_output_blocks<kChunk>(
         M, OB, 4,
         [&](int64_t ob, int64_t m0, auto rows, float* tile) {
           vnni16_block<decltype(rows)::value>(pp + ob * (K / 4) * 64, K, xq, m0, tile);
