@@ -48,7 +48,9 @@ def test_llama_artifact_under_a_grid_equals_single_process(tmp_path, quant, tp):
         assert qkv.out_features == (4 + 2 + 2) * 8 // tp  # 1/tp of each of q, k and v
         if quant != "int4":  # int4 is repacked after loading into the fused kernel's layout
             weight = qkv.weight if quant == "none" else qkv.qweight
-            assert weight.shape[0] == qkv.out_features
+            # int8 with our kernels: repacked in blocks of 16 output rows ([O/16, K/4, 64]).
+            per_row = 16 if getattr(qkv.method, "vnni", False) else 1
+            assert weight.shape[0] * per_row == qkv.out_features
     finally:
         engine.shutdown()
 
