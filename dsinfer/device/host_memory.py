@@ -148,15 +148,17 @@ def scratch_heap() -> Iterator[None]:
     temporaries: the fused backend replaces them with its repacked layouts, and the weights are
     gathered into one arena after, freeing them (holes whose pages the trims return)."""
     with _loads_lock:
-        if _loads > 0:
+        active = _loads > 0
+        if active:
             _mallopt(_M_MMAP_THRESHOLD, _SERVE_MMAP_THRESHOLD)
     try:
         yield
     finally:
-        with _loads_lock:
-            if _loads > 0:
-                _mallopt(_M_MMAP_THRESHOLD, _LOAD_MMAP_THRESHOLD)
-        release_freed_memory()
+        if active:
+            with _loads_lock:
+                if _loads > 0:
+                    _mallopt(_M_MMAP_THRESHOLD, _LOAD_MMAP_THRESHOLD)
+            release_freed_memory()
 
 
 def huge_pages_mode() -> str:

@@ -3344,49 +3344,34 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const
 //   Σ_{k∈g} w[o,k] xq[m,k] = Σ_{k∈g} (w[o,k] + 128) xq[m,k] − 128 Σ_{k∈g} xq[m,k]
 // (at most 32 · 255 · 32767 < 2^31), then y[m, o] = s[o] · Σ_g d[m, g] · that. A row's
 // arithmetic does not depend on the other rows of the call (batch invariance).
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#if DSINFER_AVX512_VNNI_BF16 || DSINFER_AVX2_QUANT
+// Every row's activations rounded per group of 32 by round_to_int (the AVX2 int4 kernel's
+// values), laid out in the weights' pair order: per quad of inputs k..k+3 the dwords
+// (k, k+2), (k+1, k+3); and per group the scale d and the offset 128 · Σ xq.
 struct I16GroupPairs {
   int64_t K, G;
-  std::unique_ptr<int32_t[]> pairs;  // [M, K / 2]: two int16 activations a dword, the pair order
-  std::unique_ptr<float[]> scale;    // [M, G]: d
+  std::unique_ptr<int32_t[]> pairs;   // [M, K / 2]
+  std::unique_ptr<float[]> scale;     // [M, G]: d
   std::unique_ptr<int32_t[]> offset;  // [M, G]: 128 · Σ xq (the weights' +128)
 
   explicit I16GroupPairs(const at::Tensor& x)
       : K(x.size(1)), G(x.size(1) / 32), pairs(new int32_t[x.size(0) * x.size(1) / 2]),
         scale(new float[x.size(0) * G]), offset(new int32_t[x.size(0) * G]) {
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
-    const void* xp = x.const_data_ptr();
-    // Within each run of 4 words: 0 2 1 3, the weights' pair order.
-    alignas(64) int16_t order[32];
-    for (int i = 0; i < 32; ++i) {
-      static constexpr int16_t kRun[4] = {0, 2, 1, 3};
-      order[i] = static_cast<int16_t>(i / 4 * 4 + kRun[i % 4]);
-    }
-    const __m512i idx = _mm512_load_si512(order);
-    at::parallel_for(0, x.size(0), 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t at = m * K + g * 32;
-          const __m512 a = bf16 ? load16(static_cast<const c10::BFloat16*>(xp) + at)
-                                : _mm512_loadu_ps(static_cast<const float*>(xp) + at);
-          const __m512 b = bf16 ? load16(static_cast<const c10::BFloat16*>(xp) + at + 16)
-                                : _mm512_loadu_ps(static_cast<const float*>(xp) + at + 16);
-          const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(a)), _mm512_reduce_max_ps(_mm512_abs_ps(b)));
-          const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-          // Rounded to nearest even (cvtps), as round_to_int; |x · inv| ≤ 32767.
-          const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
-          const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-          const __m512i q16 =
-              _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(qa)), _mm512_cvtepi32_epi16(qb), 1);
-          _mm512_storeu_si512(pairs.get() + at / 2, _mm512_permutexvar_epi16(idx, q16));
-          scale[m * G + g] = amax / 32767.f;
-          offset[m * G + g] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-        }
+    for_int16_groups(x, [&](int64_t m, int64_t g, float d, const int16_t* q, int32_t total) {
+      scale[m * G + g] = d;
+      offset[m * G + g] = 128 * total;
+      int32_t* out = pairs.get() + (m * K + g * 32) / 2;
+      for (int c = 0; c < 8; ++c) {
+        out[c * 2] = int16_pair(q[c * 4], q[c * 4 + 2]);
+        out[c * 2 + 1] = int16_pair(q[c * 4 + 1], q[c * 4 + 3]);
+      }
     });
   }
   const int32_t* row(int64_t m) const { return pairs.get() + m * (K / 2); }
 };
+#endif
 
+#if DSINFER_AVX512_VNNI_BF16
 // 16 outputs (one packed block) for M rows: out[m][16] = Σ_g d[m, g] · Σ_{k∈g} w · xq.
 template <int M>
 inline void vnni16_block(const uint8_t* wb, int64_t K, const I16GroupPairs& x, int64_t m0, float* out) {
@@ -3425,31 +3410,8 @@ inline void vnni16_block(const uint8_t* wb, int64_t K, const I16GroupPairs& x, i
 }
 #elif DSINFER_AVX2_QUANT
 // The same arithmetic on 8 lanes (AVX2 has `vpmaddwd`: 16 int16 products an instruction into
-// 8 int32 sums): the activations rounded by round_to_int (the same values as the AVX-512
-// path's), laid out in the weights' pair order; each 64-byte chunk of the packed weight read
-// as two halves of 8 outputs, as the AVX2 int4 kernel reads its codes.
-struct I16GroupPairs {
-  int64_t K, G;
-  std::unique_ptr<int32_t[]> pairs;   // [M, K / 2]
-  std::unique_ptr<float[]> scale;     // [M, G]
-  std::unique_ptr<int32_t[]> offset;  // [M, G]: 128 · Σ xq
-
-  explicit I16GroupPairs(const at::Tensor& x)
-      : K(x.size(1)), G(x.size(1) / 32), pairs(new int32_t[x.size(0) * x.size(1) / 2]),
-        scale(new float[x.size(0) * G]), offset(new int32_t[x.size(0) * G]) {
-    for_int16_groups(x, [&](int64_t m, int64_t g, float d, const int16_t* q, int32_t total) {
-      scale[m * G + g] = d;
-      offset[m * G + g] = 128 * total;
-      int32_t* out = pairs.get() + (m * K + g * 32) / 2;
-      for (int c = 0; c < 8; ++c) {  // quad c: dwords (k, k+2), (k+1, k+3)
-        out[c * 2] = int16_pair(q[c * 4], q[c * 4 + 2]);
-        out[c * 2 + 1] = int16_pair(q[c * 4 + 1], q[c * 4 + 3]);
-      }
-    });
-  }
-  const int32_t* row(int64_t m) const { return pairs.get() + m * (K / 2); }
-};
-
+// 8 int32 sums); each 64-byte chunk of the packed weight read as two halves of 8 outputs, as
+// the AVX2 int4 kernel reads its codes.
 template <int M>
 inline void vnni16_block(const uint8_t* wb, int64_t K, const I16GroupPairs& x, int64_t m0, float* out) {
   const __m256i low = _mm256_set1_epi16(0x00FF);

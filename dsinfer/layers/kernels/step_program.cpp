@@ -50,6 +50,12 @@ std::atomic<bool> g_native_bf16_gemm{false};
 
 void set_native_bf16_gemm(bool native) { g_native_bf16_gemm.store(native); }
 
+// A repacked int8 weight widened to x's dtype for one dense GEMM, scaled after it (quant.py's
+// int8_vnni_dense).
+inline at::Tensor int8_vnni_dense(const ProgramLinear& l, const at::Tensor& x) {
+  return at::mm(x, int8_vnni_dequantize_t(l.a).to(x.scalar_type())) * l.b;
+}
+
 // The rules of the Python methods (quant.py: Int4LinearMethod.apply with the VNNI layout,
 // int8_mm with the fused kernels), row for row, so that a program and the eager path agree.
 at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
@@ -104,7 +110,7 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
         DSINFER_RANGE("dsinfer::int8_vnni_linear");
         y = int8_vnni_linear(x, l.a, l.b, /*fp32_out=*/false);
       } else {
-        y = at::mm(x, int8_vnni_dequantize_t(l.a).to(x.scalar_type())) * l.b;
+        y = int8_vnni_dense(l, x);
       }
       break;
     case kInt8VnniI16:  // quant.py's Int8LinearMethod.apply on a repacked narrow layer
@@ -112,7 +118,7 @@ at::Tensor apply_linear(const ProgramLinear& l, const at::Tensor& x) {
         DSINFER_RANGE("dsinfer::int8_vnni_i16_linear");
         y = int8_vnni_i16_linear(x, l.a, l.b);
       } else {
-        y = at::mm(x, int8_vnni_dequantize_t(l.a).to(x.scalar_type())) * l.b;
+        y = int8_vnni_dense(l, x);
       }
       break;
     default:
