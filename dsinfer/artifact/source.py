@@ -22,6 +22,7 @@ def load_model_source(
     enable_mtp: bool = True,
     random_quant: str = "none",
     quantization: str = "auto",
+    backend: str = "reference",
 ) -> LoadedModel:
     if is_artifact(model):
         if random_weights:
@@ -40,5 +41,13 @@ def load_model_source(
             "or pass --allow-unsigned"
         )
     return load_model(
-        model, dtype, device, random_weights, seed, enable_mtp, random_quant, quantization
+        model,
+        dtype,
+        device,
+        random_weights,
+        seed,
+        enable_mtp,
+        random_quant,
+        quantization,
+        backend=backend,
     )

@@ -85,6 +85,7 @@ def load_for_config(config: EngineConfig) -> LoadedModel:
         enable_mtp=config.mtp,
         random_quant=config.random_quant,
         quantization=config.quantization,
+        backend=config.backend,
     )
 
 

@@ -670,11 +670,24 @@ class Int4ExpertsMethod(ExpertsMethod):
     def tp_stored(self, name: str, part: torch.Tensor) -> torch.Tensor:
         return int4pack_from_codes(part) if name.startswith("q") else part
 
-    def use_kernels(self, experts: nn.Module, kernels: Kernels, device_type: str) -> None:
+    def repacks(self, experts: nn.Module, kernels: Kernels, device_type: str) -> bool:
+        """Whether `use_kernels` with these kernels puts the stacks in the fused layout: a
+        direct GGUF load then writes that layout at once (models/gguf_int4.py) and sets
+        `vnni`, and the repack has nothing left to do."""
         out_rows = [2 * experts.intermediate, experts.hidden]  # both stacks' output rows
+        return _int4_kernels(kernels, device_type, out_rows, self.group_size)[1]
+
+    def use_kernels(self, experts: nn.Module, kernels: Kernels, device_type: str) -> None:
+        out_rows = [2 * experts.intermediate, experts.hidden]
         self.dense_rows, repack = _int4_kernels(kernels, device_type, out_rows, self.group_size)
         if repack:
             self._repack_for_vnni(experts)
+        elif self.vnni:
+            raise ValueError(
+                f"routed experts loaded in the fused backend's int4 layout cannot run on the "
+                f"{kernels.name} kernels ({device_type}): load the model for the backend that "
+                "runs it (load_model's backend)"
+            )
         # w2 is the experts' output projection (its input: silu(gate) · up, not a norm's).
         stacks = (("13", False), ("2", True))
         self.int8 = tuple(w for w, out in stacks if self.vnni and kernels.int8_for(out))

@@ -6,9 +6,11 @@ is x = d·(q − 8), zero = 0; a Q4_K super-block is 8 such groups, each with it
 minimum. So the codes are packed for the kernel as they are, and only the scales and minima
 are converted (fp32 → the activation dtype of the scales). The fused projections (q|k|v,
 gate|up) are packed once all their checkpoint shards have arrived. DeepSeek's routed experts
-(one [E, out, in] stack per projection, gguf_deepseek.py) are packed the same way, two
-experts a pass, when their gate and up stacks are 4-bit (a Q4_K_M file's Q6_K down stack
-is quantised to int4 beside them: a stack has one format). Everything else (norms, the
+(one [E, out, in] stack per projection, gguf_deepseek.py) are packed the same way when
+their gate and up stacks are 4-bit (a Q4_K_M file's Q5_0/Q8_0/Q6_K down stack is quantised to
+int4 beside them: a stack has one format): for the fused backend straight into its own int4
+layout, an expert at a time (gguf_int4_vnni_into: one pass, no torch layout to repack), else
+into torch's, two experts a pass. Everything else (norms, the
 embedding, layers of other types) is dequantised one tensor at a time and quantised as each
 layer completes (QuantiseOnLoad): under `--quantization auto` a layer the file holds in 5 to
 8 bits (a Q4_K_M file's Q6_K and Q5_0 layers) becomes int8, never fewer bits than the file
@@ -26,6 +28,7 @@ from torch import nn
 
 from dsinfer.config import ModelConfig
 from dsinfer.layers.int4_pack import int4pack_from_codes
+from dsinfer.layers.kernels import Kernels
 from dsinfer.layers.kernels.cpu_build import load_cpu_ops
 from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.moe import RoutedExperts
@@ -85,11 +88,17 @@ def int4_groups(
 
 
 def pack_gguf_int4(
-    net: nn.Module, reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, formats: dict[str, str]
+    net: nn.Module,
+    reader: GGUFFile,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    formats: dict[str, str],
+    kernels: Kernels | None = None,
 ) -> set[str]:
     """Pack every Q4 projection of an int4-format layer into `net` (float, unsplit: one
     process; `formats`: plan_formats under int4, groups of GROUP); returns the GGUF names it
-    consumed (the generic loader takes the rest)."""
+    consumed (the generic loader takes the rest). `kernels`: those the model will run on; the
+    expert stacks are written in their layout at once where it is the fused int4 one."""
     layers = {n: m for n, m in quantizable_linears(net) if formats.get(n, "int4") == "int4"}
     packed: dict[str, tuple[str, str]] = getattr(net, "packed_modules", {})
     pending: dict[str, dict[str | None, tuple[torch.Tensor, ...]]] = {}
@@ -114,11 +123,15 @@ def pack_gguf_int4(
             _pack(layer, pending.pop(module), dtype)
     if pending:
         raise ValueError(f"GGUF lacks shards of {sorted(pending)}: incomplete checkpoint")
-    return direct | _pack_experts(net, reader, formats, dtype)
+    return direct | _pack_experts(net, reader, formats, dtype, kernels)
 
 
 def _pack_experts(
-    net: nn.Module, reader: GGUFFile, formats: dict[str, str], dtype: torch.dtype
+    net: nn.Module,
+    reader: GGUFFile,
+    formats: dict[str, str],
+    dtype: torch.dtype,
+    kernels: Kernels | None,
 ) -> set[str]:
     """Every int4-format stack of routed experts whose GGUF gate and up stacks are 4-bit,
     packed from the blocks (a down stack of another type quantised to int4); the GGUF names
@@ -131,7 +144,7 @@ def _pack_experts(
             continue
         if any(t.tensor_type.name not in EXACT_INT4 for k, t in found.items() if k != "down"):
             continue
-        _pack_expert_stacks(experts, found, dtype)
+        _pack_expert_stacks(experts, found, dtype, kernels)
         for t in found.values():
             reader.release(t)
         direct.update(t.name for t in found.values())
@@ -145,21 +158,35 @@ _EXPERTS_A_PASS = 2
 
 
 def _pack_expert_stacks(
-    experts: RoutedExperts, found: dict[str, GGUFTensor], dtype: torch.dtype
+    experts: RoutedExperts,
+    found: dict[str, GGUFTensor],
+    dtype: torch.dtype,
+    kernels: Kernels | None,
 ) -> None:
-    """gate | up (w13) and down (w2) stacks → Int4ExpertsMethod's q / sz stacks, a few
+    """gate | up (w13) and down (w2) stacks → Int4ExpertsMethod's q / sz stacks: in the fused
+    kernels' layout where `kernels` take it (_write_fused_layout), else in torch's, a few
     experts at a time (_EXPERTS_A_PASS)."""
     n = experts.num_experts
     gate_up = [found["gate_up"]] if "gate_up" in found else [found["gate"], found["up"]]
-    experts.set_method(experts_method("int4", GROUP))
-    for which, stacks in (("13", gate_up), ("2", [found["down"]])):
+    method = experts_method("int4", GROUP)
+    experts.set_method(method)
+    projections = (("13", gate_up), ("2", [found["down"]]))
+    for which, stacks in projections:
         out_f, in_f = sum(int(t.shape[1]) for t in stacks), int(stacks[0].shape[0])
         want = tuple(getattr(experts, f"q{which}").shape)
         if (n, out_f, in_f // 2) != want:
             raise ValueError(
                 f"GGUF expert stack {(n, out_f, in_f // 2)} does not match the model's {want}"
             )
-        q = torch.empty(want, dtype=torch.uint8)
+    fused = kernels is not None and method.repacks(experts, kernels, "cpu")
+    if fused and all(_one_pass(t) for _, stacks in projections for t in stacks):
+        for which, stacks in projections:
+            _write_fused_layout(experts, which, stacks)
+        method.vnni = True  # use_kernels' repack has nothing left to do
+        return
+    for which, stacks in projections:
+        out_f, in_f = sum(int(t.shape[1]) for t in stacks), int(stacks[0].shape[0])
+        q = torch.empty(n, out_f, in_f // 2, dtype=torch.uint8)
         sz = torch.empty(n, in_f // GROUP, out_f, 2, dtype=dtype)
         for e0 in range(0, n, _EXPERTS_A_PASS):
             e1 = min(n, e0 + _EXPERTS_A_PASS)
@@ -169,6 +196,40 @@ def _pack_expert_stacks(
             sz[e0:e1] = int4_pairs(scale, zero, dtype)  # [e, G, out, 2]
         getattr(experts, f"q{which}").data = q
         getattr(experts, f"sz{which}").data = sz
+
+
+def _one_pass(t: GGUFTensor) -> bool:
+    """Whether the fused kernels' one-pass decoder takes this stack's blocks (loaded here)."""
+    return (
+        t.tensor_type.name in _KERNEL_TYPES and int(t.shape[1]) % 16 == 0 and load_cpu_ops() is None
+    )
+
+
+def _write_fused_layout(experts: RoutedExperts, which: str, stacks: list[GGUFTensor]) -> None:
+    """One projection's GGUF stacks (gate and up, joined along `out`; or down) → the fused
+    int4 layout of Int4ExpertsMethod._repack_for_vnni, an expert's rows at a time straight from
+    the blocks: q [E, out/16, in/8, 64], sz [E, out/16, in/32, 2, 16] bf16."""
+    n = experts.num_experts
+    out_f, in_f = sum(int(t.shape[1]) for t in stacks), int(stacks[0].shape[0])
+    q = torch.empty(n, out_f // 16, in_f // 8, 64, dtype=torch.uint8)
+    sz = torch.empty(n, out_f // 16, in_f // GROUP, 2, 16, dtype=torch.bfloat16)
+    lo = 0  # the stack's first block of 16 rows in `out`
+    for t in stacks:
+        raw = t.data.reshape(-1)
+        per = raw.shape[0] // n  # bytes an expert: whole rows of blocks
+        code, rows = _KERNEL_TYPES[t.tensor_type.name], int(t.shape[1])
+        for e in range(n):
+            torch.ops.dsinfer.gguf_int4_vnni_into(
+                file_bytes(raw[e * per : (e + 1) * per]),
+                code,
+                rows,
+                in_f,
+                q[e, lo : lo + rows // 16],
+                sz[e, lo : lo + rows // 16],
+            )
+        lo += rows // 16
+    getattr(experts, f"q{which}").data = q
+    getattr(experts, f"sz{which}").data = sz
 
 
 def _expert_codes(t: GGUFTensor, n: int, e0: int, e1: int) -> tuple[torch.Tensor, ...]:

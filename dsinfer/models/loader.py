@@ -25,6 +25,7 @@ from dsinfer.config import QUANTISED_SCHEMES, ModelConfig, parse_dtype
 from dsinfer.device import native_bf16_matmul
 from dsinfer.device.host_memory import available_bytes, release_freed_memory, scratch_heap
 from dsinfer.distributed.parallel_state import parallel_state
+from dsinfer.layers.backend import kernels_of, resolve_backend
 from dsinfer.layers.linear import default_weight_loader, fused_target
 from dsinfer.layers.quant import (
     QuantiseOnLoad,
@@ -364,6 +365,7 @@ def load_model(
     quantization: str = "none",
     group_size: int = 32,
     for_artifact: bool = False,
+    backend: str = "reference",
 ) -> LoadedModel:
     """Build the model for `model` and load its weights (or seeded random ones).
 
@@ -376,7 +378,9 @@ def load_model(
 
     `enable_mtp`: load a DeepSeek-V3 checkpoint's multi-token-prediction layer when present.
     `random_quant` (with random weights): int8 or int4 layouts, for models whose float weights
-    would not fit in memory (the float tensors are never touched, so never resident)."""
+    would not fit in memory (the float tensors are never touched, so never resident).
+    `backend`: the one the model will run on (`--backend`); a direct 4-bit GGUF load writes
+    the expert stacks in its int4 layout at once, not torch's to be repacked."""
     t0 = time.perf_counter()
     path = resolve_model_path(model, config_only=random_weights)
     cfg = read_model_config(path)
@@ -428,8 +432,9 @@ def load_model(
             and unsplit()
             and on_cpu
         ):
+            kernels = kernels_of(resolve_backend(backend, torch.device(device)).name)
             with scratch_heap():  # its temporaries: GBs for a DeepSeek file
-                direct = pack_gguf_int4(net, reader, cfg, tdtype, formats)  # gguf_int4.py
+                direct = pack_gguf_int4(net, reader, cfg, tdtype, formats, kernels)
         if reader is not None:
             weights = iter_gguf_tensors(reader, cfg, skip=direct)
         else:

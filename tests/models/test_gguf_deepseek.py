@@ -97,6 +97,35 @@ def test_q4_experts_hold_the_files_weights_exactly(rows, tmp_path):
             torch.testing.assert_close(got.view(e, out_f, in_f), want, atol=1e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K_M"])
+def test_experts_loaded_for_the_fused_backend_are_its_repacked_layout(qtype, tmp_path):
+    """Loaded for the fused backend, a Q4 file's expert stacks are written in its int4 layout
+    at once (Q4_1; the Q4_K_M mix's Q6_K stacks go through torch's layout and the repack):
+    the bytes of loading torch's layout and repacking it, and a model so loaded refuses the
+    reference kernels rather than misreading its stacks."""
+    from dsinfer.layers.backend import apply_backend, fused_unavailable
+    from dsinfer.models.loader import load_model
+
+    cpu = torch.device("cpu")
+    if fused_unavailable(cpu):
+        pytest.skip(f"no fused backend here: {fused_unavailable(cpu)}")
+    tiny_gguf_deepseek("v3", moe_intermediate_size=32).save_pretrained(tmp_path)
+    path = str(write_deepseek2(tmp_path, tmp_path / "q4.gguf", qtype=qtype))
+    opts = dict(dtype="bfloat16", quantization="int4")
+    direct = load_model(path, backend="fused", **opts).model
+    repacked = load_model(path, **opts).model
+    direct_experts = [layer.mlp.experts for layer in direct.model.layers[1:]]
+    if qtype == "Q4_1":
+        assert all(e.method.vnni for e in direct_experts)  # before any use_kernels
+    apply_backend(direct, "fused", cpu)
+    apply_backend(repacked, "fused", cpu)
+    for a, b in zip(direct_experts, repacked.model.layers[1:], strict=True):
+        for name in a.method.tensor_names:
+            assert torch.equal(getattr(a, name), getattr(b.mlp.experts, name)), name
+    with pytest.raises(ValueError, match="fused backend's int4 layout"):
+        apply_backend(direct, "reference", cpu)
+
+
 def test_experts_the_file_keeps_float_are_quantised_after_loading(converted, tmp_path):
     """Experts of 24 rows: llama.cpp leaves the down stacks F32 (rows are not whole blocks),
     the int4 kernel does not take them either, so the stacks load float and end int8."""

@@ -95,6 +95,41 @@ def test_the_one_pass_block_decoder_is_torchs_passes_bit_for_bit(qname):
 _KERNEL_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0")  # gguf_int4_groups' type numbers
 
 
+@pytest.mark.parametrize("qname", _KERNEL_TYPES)
+def test_the_fused_layout_is_written_from_the_blocks_as_the_repack_writes_it(qname):
+    """gguf_int4_vnni_into (the direct load of expert stacks for the fused backend) writes the
+    bytes that the path it replaces ends with: gguf_int4_groups → torch's int4pack → bf16
+    scale | zero pairs → int4_vnni_pack. Into a slice of a larger stack (the up rows after the
+    gate's), leaving the rest untouched; wrong shapes are refused."""
+    from dsinfer.layers.int4_pack import int4_block_rows, int4pack_from_codes
+    from dsinfer.layers.kernels.cpu_build import load_cpu_ops
+    from dsinfer.layers.quant import int4_pairs
+    from dsinfer.models.gguf_file import file_bytes
+
+    if load_cpu_ops() is not None or int4_block_rows() is None:
+        pytest.skip("the fused CPU kernels do not build here: nothing is repacked")
+    rows, k = 64, 512
+    x = np.random.default_rng(3).standard_normal((rows, k)).astype(np.float32) * 0.05
+    x[2, :32] = 0.25  # a constant group
+    x[:, 64:96] += 0.3  # groups whose minimum is above 0
+    raw = file_bytes(quantize(x, qname).reshape(-1))
+    code = _KERNEL_TYPES.index(qname)
+    q, scale, zero = torch.ops.dsinfer.gguf_int4_groups(raw, code, rows, k)
+    pairs = int4_pairs(scale, zero, torch.bfloat16)
+    want = torch.ops.dsinfer.int4_vnni_pack(int4pack_from_codes(q), 32, pairs, int4_block_rows())
+    codes = torch.full((rows // 16 + 2, k // 8, 64), 7, dtype=torch.uint8)
+    sz = torch.full((rows // 16 + 2, k // 32, 2, 16), 3.0, dtype=torch.bfloat16)
+    torch.ops.dsinfer.gguf_int4_vnni_into(raw, code, rows, k, codes[2:], sz[2:])
+    assert torch.equal(codes[2:], want[0]) and torch.equal(sz[2:], want[1])
+    assert codes[:2].eq(7).all() and sz[:2].eq(3.0).all()
+    with pytest.raises(RuntimeError, match="a multiple of 16"):
+        torch.ops.dsinfer.gguf_int4_vnni_into(
+            raw[: raw.numel() // 2], code, rows // 2 - 8, k, codes, sz
+        )
+    with pytest.raises(RuntimeError, match="codes"):
+        torch.ops.dsinfer.gguf_int4_vnni_into(raw, code, rows, k, codes, sz)
+
+
 def test_a_file_with_any_4_bit_projection_is_int4():
     """The scheme a file loads under by default: int4 when any projection is 4-bit (SmolLM2's
     Q4_K_M is mostly Q5_0, its Q4_K layers still load as they are), int8 when the quantised

@@ -3513,15 +3513,73 @@ inline void int4_group(const float* v, uint8_t* q, float* scale, float* zero) {
   *zero = lo + 8.0f * s;
 }
 
+static constexpr int64_t kGgufBlockBytes[] = {18, 20, 144, 22, 34};
+static constexpr int64_t kGgufBlockValues[] = {32, 32, 256, 32, 32};
+
+// The bytes of one row of K values in `type`'s blocks, after checking the type and K.
+int64_t gguf_row_bytes(const char* op, int64_t type, int64_t K) {
+  TORCH_CHECK(type >= kQ4_0 && type <= kQ8_0, op, ": unknown block type ", type);
+  TORCH_CHECK(K % 32 == 0 && (type != kQ4_K || K % 256 == 0), op, ": whole blocks a row");
+  return K / kGgufBlockValues[type] * kGgufBlockBytes[type];
+}
+
+// One row of blocks → its K codes and K / 32 scales and zeros.
+void gguf_row_groups(const uint8_t* row, int64_t type, int64_t K, uint8_t* q, float* sc, float* zr) {
+  const int64_t G = K / 32;
+  if (type == kQ4_K) {
+    for (int64_t b = 0; b < K / 256; ++b) {
+      const uint8_t* blk = row + b * 144;
+      const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
+      const uint8_t *lo_sc = blk + 4, *lo_mn = blk + 8, *high = blk + 12, *qs = blk + 16;
+      for (int j = 0; j < 8; ++j) {
+        const int s6 = j < 4 ? lo_sc[j] & 63 : (high[j - 4] & 15) | ((lo_sc[j - 4] >> 6) << 4);
+        const int m6 = j < 4 ? lo_mn[j] & 63 : (high[j - 4] >> 4) | ((lo_mn[j - 4] >> 6) << 4);
+        const float step = d * static_cast<float>(s6), minimum = -(dmin * static_cast<float>(m6));
+        const uint8_t* src = qs + (j / 2) * 32;  // group 2c in the low nibbles, 2c + 1 high
+        uint8_t* dst = q + b * 256 + j * 32;
+        for (int i = 0; i < 32; ++i) dst[i] = j % 2 ? src[i] >> 4 : src[i] & 15;
+        sc[b * 8 + j] = step;
+        zr[b * 8 + j] = minimum + 8.0f * step;
+      }
+    }
+    return;
+  }
+  float v[32];
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* blk = row + g * kGgufBlockBytes[type];
+    const float d = fp16_at(blk);
+    uint8_t* dst = q + g * 32;
+    if (type == kQ4_0 || type == kQ4_1) {
+      const uint8_t* src = blk + (type == kQ4_1 ? 4 : 2);
+      for (int i = 0; i < 16; ++i) {
+        dst[i] = src[i] & 15;
+        dst[i + 16] = src[i] >> 4;
+      }
+      sc[g] = d;
+      zr[g] = type == kQ4_1 ? fp16_at(blk + 2) + 8.0f * d : 0.f;
+      continue;
+    }
+    if (type == kQ8_0) {
+      for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(static_cast<int8_t>(blk[2 + i])) * d;
+    } else {  // Q5_0: bit i of the little-endian u32 at 2 is weight i's fifth bit; x = d·(q − 16)
+      uint32_t hb;
+      std::memcpy(&hb, blk + 2, 4);
+      for (int i = 0; i < 16; ++i) {
+        const int lo = blk[6 + i] & 15, hi = blk[6 + i] >> 4;
+        const int b0 = static_cast<int>((hb >> i) & 1), b1 = static_cast<int>((hb >> (i + 16)) & 1);
+        v[i] = static_cast<float>((lo | (b0 << 4)) - 16) * d;
+        v[i + 16] = static_cast<float>((hi | (b1 << 4)) - 16) * d;
+      }
+    }
+    int4_group(v, dst, sc + g, zr + g);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_int4_groups(const at::Tensor& raw, int64_t type, int64_t rows,
                                                                  int64_t K) {
   TORCH_CHECK(raw.dim() == 1 && raw.is_contiguous() && raw.scalar_type() == at::kByte,
               "gguf_int4_groups: the tensor's bytes, flat uint8");
-  TORCH_CHECK(K % 32 == 0 && (type != kQ4_K || K % 256 == 0), "gguf_int4_groups: whole blocks a row");
-  static constexpr int64_t kBlockBytes[] = {18, 20, 144, 22, 34};
-  static constexpr int64_t kBlockValues[] = {32, 32, 256, 32, 32};
-  TORCH_CHECK(type >= kQ4_0 && type <= kQ8_0, "gguf_int4_groups: unknown block type ", type);
-  const int64_t row_bytes = K / kBlockValues[type] * kBlockBytes[type], G = K / 32;
+  const int64_t row_bytes = gguf_row_bytes("gguf_int4_groups", type, K), G = K / 32;
   TORCH_CHECK(raw.numel() == rows * row_bytes, "gguf_int4_groups: ", raw.numel(), " bytes for ", rows,
               " rows of ", row_bytes);
   auto codes = at::empty({rows, K}, raw.options());
@@ -3532,61 +3590,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_int4_groups(const at::Tensor
   float* sp = scale.data_ptr<float>();
   float* zp = zero.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    float v[32];
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = rp + r * row_bytes;
-      uint8_t* q = cp + r * K;
-      float* sc = sp + r * G;
-      float* zr = zp + r * G;
-      if (type == kQ4_K) {
-        for (int64_t b = 0; b < K / 256; ++b) {
-          const uint8_t* blk = row + b * 144;
-          const float d = fp16_at(blk), dmin = fp16_at(blk + 2);
-          const uint8_t *lo_sc = blk + 4, *lo_mn = blk + 8, *high = blk + 12, *qs = blk + 16;
-          for (int j = 0; j < 8; ++j) {
-            const int s6 = j < 4 ? lo_sc[j] & 63 : (high[j - 4] & 15) | ((lo_sc[j - 4] >> 6) << 4);
-            const int m6 = j < 4 ? lo_mn[j] & 63 : (high[j - 4] >> 4) | ((lo_mn[j - 4] >> 6) << 4);
-            const float step = d * static_cast<float>(s6), minimum = -(dmin * static_cast<float>(m6));
-            const uint8_t* src = qs + (j / 2) * 32;  // group 2c in the low nibbles, 2c + 1 high
-            uint8_t* dst = q + b * 256 + j * 32;
-            for (int i = 0; i < 32; ++i) dst[i] = j % 2 ? src[i] >> 4 : src[i] & 15;
-            sc[b * 8 + j] = step;
-            zr[b * 8 + j] = minimum + 8.0f * step;
-          }
-        }
-        continue;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* blk = row + g * kBlockBytes[type];
-        const float d = fp16_at(blk);
-        uint8_t* dst = q + g * 32;
-        if (type == kQ4_0 || type == kQ4_1) {
-          const uint8_t* src = blk + (type == kQ4_1 ? 4 : 2);
-          for (int i = 0; i < 16; ++i) {
-            dst[i] = src[i] & 15;
-            dst[i + 16] = src[i] >> 4;
-          }
-          sc[g] = d;
-          zr[g] = type == kQ4_1 ? fp16_at(blk + 2) + 8.0f * d : 0.f;
-          continue;
-        }
-        if (type == kQ8_0) {
-          for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(static_cast<int8_t>(blk[2 + i])) * d;
-        } else {  // Q5_0: bit i of the little-endian u32 at 2 is weight i's fifth bit; x = d·(q − 16)
-          uint32_t hb;
-          std::memcpy(&hb, blk + 2, 4);
-          for (int i = 0; i < 16; ++i) {
-            const int lo = blk[6 + i] & 15, hi = blk[6 + i] >> 4;
-            const int b0 = static_cast<int>((hb >> i) & 1), b1 = static_cast<int>((hb >> (i + 16)) & 1);
-            v[i] = static_cast<float>((lo | (b0 << 4)) - 16) * d;
-            v[i + 16] = static_cast<float>((hi | (b1 << 4)) - 16) * d;
-          }
-        }
-        int4_group(v, dst, sc + g, zr + g);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) gguf_row_groups(rp + r * row_bytes, type, K, cp + r * K, sp + r * G, zp + r * G);
   });
   return {codes, scale, zero};
+}
+
+// The same groups written straight into the fused int4 kernels' layout (int4_vnni_pack's):
+// codes [rows/16, K/8, 64] into `codes` and scale | zero [rows/16, G, 2, 16] bf16 into `sz`,
+// both contiguous (an expert's rows of a stack: the gate's, then the up's). The values of
+// gguf_int4_groups → int4pack_from_codes → int4_pairs → int4_vnni_pack, bit for bit, without
+// their passes and temporaries (DeepSeek-V2-Lite's expert stacks: ~30 s of a ~75 s start).
+void gguf_int4_vnni_into(const at::Tensor& raw, int64_t type, int64_t rows, int64_t K, at::Tensor codes,
+                         at::Tensor sz) {
+  TORCH_CHECK(raw.dim() == 1 && raw.is_contiguous() && raw.scalar_type() == at::kByte,
+              "gguf_int4_vnni_into: the tensor's bytes, flat uint8");
+  const int64_t row_bytes = gguf_row_bytes("gguf_int4_vnni_into", type, K), G = K / 32;
+  TORCH_CHECK(rows % 16 == 0 && raw.numel() == rows * row_bytes, "gguf_int4_vnni_into: ", raw.numel(),
+              " bytes for ", rows, " rows (a multiple of 16) of ", row_bytes);
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
+                  codes.sizes() == at::IntArrayRef({rows / 16, K / 8, 64}),
+              "gguf_int4_vnni_into: codes [rows/16, K/8, 64] uint8 expected");
+  TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == at::kBFloat16 &&
+                  sz.sizes() == at::IntArrayRef({rows / 16, G, 2, 16}),
+              "gguf_int4_vnni_into: sz [rows/16, K/32, 2, 16] bf16 expected");
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  c10::BFloat16* szp = sz.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, rows / 16, 1, [&](int64_t ob0, int64_t ob1) {
+    std::vector<uint8_t> q(16 * K);  // 16 rows' codes [l][k], then packed as int4_vnni_pack does
+    std::vector<float> sc(16 * G), zr(16 * G);
+    for (int64_t ob = ob0; ob < ob1; ++ob) {
+      for (int64_t l = 0; l < 16; ++l)
+        gguf_row_groups(rp + (ob * 16 + l) * row_bytes, type, K, &q[l * K], &sc[l * G], &zr[l * G]);
+      uint8_t* d = cp + ob * (K / 8) * 64;
+      for (int64_t kc = 0; kc < K / 8; ++kc, d += 64)
+        for (int64_t l = 0; l < 16; ++l)
+          for (int64_t i = 0; i < 4; ++i) d[l * 4 + i] = q[l * K + kc * 8 + i] | (q[l * K + kc * 8 + i + 4] << 4);
+      c10::BFloat16* s = szp + ob * G * 32;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t l = 0; l < 16; ++l) {
+          s[g * 32 + l] = c10::BFloat16(sc[l * G + g]);
+          s[g * 32 + 16 + l] = c10::BFloat16(zr[l * G + g]);
+        }
+    }
+  });
 }
 
 // Constrained decoding: logits[r, t] = -inf where bit t % 32 of word t / 32 of bitmask[r] is
@@ -4091,6 +4138,7 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("int8_vnni_i16_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("int8_vnni_i16_supported() -> bool");
   m.def("gguf_int4_groups(Tensor raw, int type, int rows, int K) -> (Tensor, Tensor, Tensor)");
+  m.def("gguf_int4_vnni_into(Tensor raw, int type, int rows, int K, Tensor(a!) codes, Tensor(b!) sz) -> ()");
   m.def("int8_vnni_dequantize_t(Tensor packed) -> Tensor");
   m.def("int8_vnni_rows(Tensor packed, Tensor scales, Tensor ids, ScalarType dtype) -> Tensor");
   m.def(
@@ -4160,6 +4208,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("int8_i16_linear", &int8_i16_linear);
   m.impl("int8_vnni_i16_linear", &int8_vnni_i16_linear);
   m.impl("gguf_int4_groups", &gguf_int4_groups);
+  m.impl("gguf_int4_vnni_into", &gguf_int4_vnni_into);
   m.impl("int8_vnni_dequantize_t", &int8_vnni_dequantize_t);
   m.impl("int8_vnni_rows", &int8_vnni_rows);
 }
