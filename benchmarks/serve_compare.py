@@ -7,7 +7,7 @@ same seed) runs at each concurrency. Prints both sides, the ratios, and each ser
 (VmHWM); writes everything to --out as JSON.
 
   python benchmarks/serve_compare.py [--llama-server PATH] [--dsinfer-config "ARGS"]... \
-      [--concurrency 1,16] [--out benchmarks/results/serve_compare]
+      [--llama-args "ARGS"] [--concurrency 1,16] [--out benchmarks/results/serve_compare]
 
 Without --llama-server it uses ../shared/tools/build_llama_server.sh's build (building it the
 first time, ~10 minutes). Each --dsinfer-config is one `dsinfer serve` argument string; the
@@ -248,6 +248,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--llama-server", default=None)
     p.add_argument("--dsinfer-config", action="append", default=None)
+    # llama.cpp 0.3.36's weight repacking aborts on a DeepSeek-V2 file on an AMX CPU (Sapphire
+    # Rapids; GGML_ASSERT in ggml-backend.cpp): --llama-args "--no-repack" is how it serves one.
+    p.add_argument(
+        "--llama-args", default="", help="more llama-server arguments, one string (shell words)"
+    )
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -288,6 +293,7 @@ def main() -> int:
         "127.0.0.1",
         "--port",
         str(args.port),
+        *shlex.split(args.llama_args),
     ]
     configs = args.dsinfer_config or [""]
     model = [] if args.model == "smollm2" else ["--model", gguf]  # dsinfer serve's default

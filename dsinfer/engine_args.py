@@ -74,10 +74,11 @@ class EngineArgs:
     int8_activations: str = field(
         default="auto",
         metadata=_opt("fused CPU backend: int4 layers whose activations are rounded to int8 per "
-                      "group of 32, as llama.cpp does (1.4-1.55x the int4 kernel's rate with "
-                      "many rows on AVX2 CPUs; +0.3% perplexity or less: docs/backends.md): "
-                      "auto, all where the int4 kernels are AVX2's and none elsewhere; all; "
-                      "out_proj, the blocks' output projections; none (exact to 2^-16). "
+                      "group of 32, as llama.cpp does (1.4-1.55x the exact kernel's rate with "
+                      "many rows on AVX2 CPUs, ~2.3x on AVX-512 VNNI ones; +0.3% perplexity or "
+                      "less: docs/backends.md): auto, all wherever the kernel runs (AVX2 + FMA) "
+                      "and none elsewhere; all; out_proj, the blocks' output projections; none "
+                      "(exact to 2^-16). "
                       "all / out_proj also take the int8 layers (a Q4_K_M file's 5-8-bit ones) "
                       "on AVX-512 CPUs: ~1.8x their int16 kernel's rate at 16 rows",
                       choices=INT8_ACTIVATIONS),

@@ -80,11 +80,12 @@ def _int8_activations_unavailable(backend: str, device: torch.device) -> str | N
 def resolve_int8_activations(requested: str, backend: str, device: torch.device) -> str:
     """--int8-activations → the policy the kernels apply: none, out_proj or all.
 
-    auto takes all where the int4 kernels are AVX2's: there the int16 kernel is bound by
-    `vpmaddwd` and int8 activations give 1.4-1.55x its rate with many rows, within the quality
-    gate (docs/backends.md). On AVX-512 VNNI/BF16 CPUs the int4 kernels multiply bf16 pairs
-    and the int8 one was not measured against them, so auto keeps none there, and off the CPU.
-    out_proj / all where the kernel cannot run: a ValueError with the reason."""
+    auto takes all wherever the kernel runs (AVX2 + FMA), within the quality gate (+0.3%
+    perplexity or less; docs/backends.md): on AVX2 the exact int16 kernel is bound by
+    `vpmaddwd`, and int8 gives 1.4-1.55x its rate with many rows; on AVX-512 VNNI `vpdpbusd`
+    multiplies 64 byte pairs an instruction where the exact kernel's `vdpbf16ps` takes 32
+    bf16 ones (SmolLM2, 16 streams: 2.3-2.5x; one stream 1.1x). none off the CPU. out_proj /
+    all where the kernel cannot run: a ValueError with the reason."""
     if requested not in INT8_ACTIVATIONS:
         raise ValueError(
             f"unknown int8 activations {requested!r}; choose one of {', '.join(INT8_ACTIVATIONS)}"
@@ -93,7 +94,7 @@ def resolve_int8_activations(requested: str, backend: str, device: torch.device)
         return requested
     why_not = _int8_activations_unavailable(backend, device)
     if requested == "auto":
-        return "all" if why_not is None and not torch.ops.dsinfer.int8_vnni_supported() else "none"
+        return "all" if why_not is None else "none"
     if why_not:
         raise ValueError(
             f"--int8-activations {requested} cannot run here ({why_not}; backend {backend}, "

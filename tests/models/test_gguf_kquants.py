@@ -234,7 +234,9 @@ def test_a_q4_k_file_computes_what_it_holds(tmp_path):
     within the kernels' bf16 arithmetic, the same greedy tokens almost everywhere."""
     tiny_gguf_deepseek("v3", num_hidden_layers=KQ_LAYERS, **KQ_SHAPE).save_pretrained(tmp_path)
     path = write_deepseek2(tmp_path, tmp_path / "q4_k.gguf", qtype="Q4_K")
-    opts = dict(dtype="bfloat16", num_blocks=64, block_size=4)
+    # Exact activations: the load is under test, not the int8 rounding of the default (which
+    # moves this random model's many near-ties: 88% of its greedy tokens agree with it).
+    opts = dict(dtype="bfloat16", num_blocks=64, block_size=4, int8_activations="none")
     ids = list(range(5, 30))
     direct = LLM(str(path), quantization="auto", **opts)
     assert hasattr(direct.engine.executor.runner.model.model.layers[1].mlp.experts, "q13")
