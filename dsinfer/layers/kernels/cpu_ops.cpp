@@ -3643,8 +3643,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_int4_groups(const at::Tensor
 // The same groups written straight into the fused int4 kernels' layout (int4_vnni_pack's):
 // codes [rows/16, K/8, 64] into `codes` and scale | zero [rows/16, G, 2, 16] bf16 into `sz`,
 // both contiguous (an expert's rows of a stack: the gate's, then the up's). The values of
-// gguf_int4_groups → int4pack_from_codes → int4_pairs → int4_vnni_pack, bit for bit, without
-// their passes and temporaries (DeepSeek-V2-Lite's expert stacks: ~30 s of a ~75 s start).
+// gguf_int4_groups → int4pack_from_codes → int4_pairs → int4_vnni_pack, bit for bit, in one
+// pass without their temporaries (DeepSeek-V2-Lite's expert stacks: ~35 s of a ~75 s start
+// under cProfile, session 36).
 void gguf_int4_vnni_into(const at::Tensor& raw, int64_t type, int64_t rows, int64_t K, at::Tensor codes,
                          at::Tensor sz) {
   TORCH_CHECK(raw.dim() == 1 && raw.is_contiguous() && raw.scalar_type() == at::kByte,
