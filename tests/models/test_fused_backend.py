@@ -150,8 +150,8 @@ def test_bf16_fused_within_the_references_own_noise(quantization: str):
 
 def test_int8_activations_hold_the_quality_gate():
     """--int8-activations all rounds every int4 layer's activations to int8 (llama.cpp's
-    arithmetic; the default on AVX2 CPUs, where the test above holds it to the gate in both
-    paths): the long text's prompt perplexity stays within 0.5% of the reference's (+0.27%
+    arithmetic; the default wherever the kernel runs, so the test above holds it to the gate
+    in both paths too): the long text's prompt perplexity stays within 0.5% of the reference's (+0.27%
     measured; the kernel's zero points met the exact activations' sum until session 22, +0.93%
     here) and differs from the exact kernel's (a kernel that silently fell back to the int16
     one would not). Where bf16 GEMMs are native (AVX512-BF16) prefill chunks of 512 rows or
