@@ -231,7 +231,7 @@ class EngineConfig:
     # CPU: the weights and the KV pool in transparent huge pages (device/host_memory.py).
     huge_pages: bool = True
     # Which int4 layers meet activations rounded to int8 per group of 32 (llama.cpp's
-    # arithmetic): auto (all where the fused int4 kernels are AVX2's, none elsewhere) | none |
+    # arithmetic): auto (all wherever the fused CPU kernel runs, none elsewhere) | none |
     # out_proj (the blocks' output projections) | all. Within the quality gate on SmolLM2
     # (+0.27% prompt perplexity, -0.09% decode: docs/backends.md).
     int8_activations: str = "auto"

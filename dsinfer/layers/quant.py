@@ -193,8 +193,8 @@ def int4_mm(
     the few-rows kernel rounds the activations to int8 per group of 32, llama.cpp's way."""
     many = dense_rows and flat.shape[0] >= dense_rows and flat.dtype == torch.bfloat16
     if vnni and int8 and not many:
-        # --int8-activations (all by default on AVX2 CPUs): twice the products an instruction
-        # there, the activations ~258x coarser than int16 (every int4 layer: +0.27% prompt
+        # --int8-activations (all by default on CPUs with the kernel): twice the products an
+        # instruction of the exact kernel's, the activations ~258x coarser than int16 (every int4 layer: +0.27% prompt
         # perplexity, -0.09% decode on SmolLM2: docs/backends.md).
         return torch.ops.dsinfer.int4_i8_linear(flat, qweight, scales_zeros)
     if vnni:
