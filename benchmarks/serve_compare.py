@@ -248,8 +248,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--llama-server", default=None)
     p.add_argument("--dsinfer-config", action="append", default=None)
-    # llama.cpp 0.3.36's weight repacking aborts on a DeepSeek-V2 file on an AMX CPU (Sapphire
-    # Rapids; GGML_ASSERT in ggml-backend.cpp): --llama-args "--no-repack" is how it serves one.
+    # llama.cpp 0.3.36 built with -march=native crashes with its weight repacking on session
+    # 36's AMX Xeon (SmolLM2 and DeepSeek-V2 files alike): --llama-args "--no-repack" serves
+    # there (docs/benchmarks.md, session 36, has a build that keeps the repacking).
     p.add_argument(
         "--llama-args", default="", help="more llama-server arguments, one string (shell words)"
     )

@@ -194,8 +194,8 @@ def int4_mm(
     many = dense_rows and flat.shape[0] >= dense_rows and flat.dtype == torch.bfloat16
     if vnni and int8 and not many:
         # --int8-activations (all by default on CPUs with the kernel): twice the products an
-        # instruction of the exact kernel's, the activations ~258x coarser than int16 (every int4 layer: +0.27% prompt
-        # perplexity, -0.09% decode on SmolLM2: docs/backends.md).
+        # instruction of the exact kernel's, the activations ~258x coarser than int16 (every
+        # int4 layer: +0.27% prompt perplexity, -0.09% decode on SmolLM2: docs/backends.md).
         return torch.ops.dsinfer.int4_i8_linear(flat, qweight, scales_zeros)
     if vnni:
         # Few rows: the codes widened in registers and multiplied with the activations' own
@@ -670,16 +670,18 @@ class Int4ExpertsMethod(ExpertsMethod):
     def tp_stored(self, name: str, part: torch.Tensor) -> torch.Tensor:
         return int4pack_from_codes(part) if name.startswith("q") else part
 
+    def _kernels(self, experts: nn.Module, kernels: Kernels, device_type: str) -> tuple[int, bool]:
+        out_rows = [2 * experts.intermediate, experts.hidden]  # both stacks' output rows
+        return _int4_kernels(kernels, device_type, out_rows, self.group_size)
+
     def repacks(self, experts: nn.Module, kernels: Kernels, device_type: str) -> bool:
         """Whether `use_kernels` with these kernels puts the stacks in the fused layout: a
         direct GGUF load then writes that layout at once (models/gguf_int4.py) and sets
         `vnni`, and the repack has nothing left to do."""
-        out_rows = [2 * experts.intermediate, experts.hidden]  # both stacks' output rows
-        return _int4_kernels(kernels, device_type, out_rows, self.group_size)[1]
+        return self._kernels(experts, kernels, device_type)[1]
 
     def use_kernels(self, experts: nn.Module, kernels: Kernels, device_type: str) -> None:
-        out_rows = [2 * experts.intermediate, experts.hidden]
-        self.dense_rows, repack = _int4_kernels(kernels, device_type, out_rows, self.group_size)
+        self.dense_rows, repack = self._kernels(experts, kernels, device_type)
         if repack:
             self._repack_for_vnni(experts)
         elif self.vnni:

@@ -172,7 +172,7 @@ def _pack_expert_stacks(
     experts.set_method(method)
     projections = (("13", gate_up), ("2", [found["down"]]))
     for which, stacks in projections:
-        out_f, in_f = sum(int(t.shape[1]) for t in stacks), int(stacks[0].shape[0])
+        out_f, in_f = _stack_dims(stacks)
         want = tuple(getattr(experts, f"q{which}").shape)
         if (n, out_f, in_f // 2) != want:
             raise ValueError(
@@ -185,7 +185,7 @@ def _pack_expert_stacks(
         method.vnni = True  # use_kernels' repack has nothing left to do
         return
     for which, stacks in projections:
-        out_f, in_f = sum(int(t.shape[1]) for t in stacks), int(stacks[0].shape[0])
+        out_f, in_f = _stack_dims(stacks)
         q = torch.empty(n, out_f, in_f // 2, dtype=torch.uint8)
         sz = torch.empty(n, in_f // GROUP, out_f, 2, dtype=dtype)
         for e0 in range(0, n, _EXPERTS_A_PASS):
@@ -198,11 +198,15 @@ def _pack_expert_stacks(
         getattr(experts, f"sz{which}").data = sz
 
 
+def _stack_dims(stacks: list[GGUFTensor]) -> tuple[int, int]:
+    """(out, in) of one projection's GGUF stacks joined along `out` (dims [in, out, E])."""
+    return sum(int(t.shape[1]) for t in stacks), int(stacks[0].shape[0])
+
+
 def _one_pass(t: GGUFTensor) -> bool:
-    """Whether the fused kernels' one-pass decoder takes this stack's blocks (loaded here)."""
-    return (
-        t.tensor_type.name in _KERNEL_TYPES and int(t.shape[1]) % 16 == 0 and load_cpu_ops() is None
-    )
+    """Whether gguf_int4_vnni_into takes this stack's blocks (the kernels are loaded wherever
+    the fused layout is chosen: Int4ExpertsMethod.repacks)."""
+    return t.tensor_type.name in _KERNEL_TYPES and int(t.shape[1]) % 16 == 0
 
 
 def _write_fused_layout(experts: RoutedExperts, which: str, stacks: list[GGUFTensor]) -> None:
@@ -210,7 +214,7 @@ def _write_fused_layout(experts: RoutedExperts, which: str, stacks: list[GGUFTen
     int4 layout of Int4ExpertsMethod._repack_for_vnni, an expert's rows at a time straight from
     the blocks: q [E, out/16, in/8, 64], sz [E, out/16, in/32, 2, 16] bf16."""
     n = experts.num_experts
-    out_f, in_f = sum(int(t.shape[1]) for t in stacks), int(stacks[0].shape[0])
+    out_f, in_f = _stack_dims(stacks)
     q = torch.empty(n, out_f // 16, in_f // 8, 64, dtype=torch.uint8)
     sz = torch.empty(n, out_f // 16, in_f // GROUP, 2, 16, dtype=torch.bfloat16)
     lo = 0  # the stack's first block of 16 rows in `out`

@@ -2577,6 +2577,14 @@ bool int4_vnni_supported() { return DSINFER_AVX512_VNNI_BF16 || DSINFER_AVX2_QUA
 // AVX-512 only (an AVX2 CPU has no fast bf16 GEMM: torch's runs at ~1 GFLOP/s on a Zen 2).
 bool int8_vnni_supported() { return DSINFER_AVX512_VNNI_BF16; }
 
+// One 64-byte chunk of the layout: 16 outputs × 8 inputs, code(l, t) the code of output l at
+// input t of the chunk; lane l's byte i holds input i (low nibble) and input i + 4 (high).
+template <typename Code>
+inline void vnni_chunk(uint8_t* d, Code&& code) {
+  for (int64_t l = 0; l < 16; ++l)
+    for (int64_t i = 0; i < 4; ++i) d[l * 4 + i] = code(l, i) | (code(l, i + 4) << 4);
+}
+
 std::tuple<at::Tensor, at::Tensor> int4_vnni_pack(const at::Tensor& qweight, int64_t group,
                                                   const at::Tensor& scales_zeros, int64_t block_rows) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
@@ -2608,9 +2616,7 @@ std::tuple<at::Tensor, at::Tensor> int4_vnni_pack(const at::Tensor& qweight, int
           const uint8_t* src = rows + (kc * 8 + t) * half;
           for (int64_t l = 0; l < 16; ++l) nib[t][l] = (src[l] >> shift) & 0x0F;
         }
-        uint8_t* d = dst + kc * 64;
-        for (int64_t l = 0; l < 16; ++l)
-          for (int64_t i = 0; i < 4; ++i) d[l * 4 + i] = nib[i][l] | (nib[i + 4][l] << 4);
+        vnni_chunk(dst + kc * 64, [&](int64_t l, int64_t t) { return nib[t][l]; });
       }
     }
   });
@@ -3663,15 +3669,14 @@ void gguf_int4_vnni_into(const at::Tensor& raw, int64_t type, int64_t rows, int6
   uint8_t* cp = codes.data_ptr<uint8_t>();
   c10::BFloat16* szp = sz.data_ptr<c10::BFloat16>();
   at::parallel_for(0, rows / 16, 1, [&](int64_t ob0, int64_t ob1) {
-    std::vector<uint8_t> q(16 * K);  // 16 rows' codes [l][k], then packed as int4_vnni_pack does
+    std::vector<uint8_t> q(16 * K);  // 16 rows' codes [l][k], then packed (vnni_chunk)
     std::vector<float> sc(16 * G), zr(16 * G);
     for (int64_t ob = ob0; ob < ob1; ++ob) {
       for (int64_t l = 0; l < 16; ++l)
         gguf_row_groups(rp + (ob * 16 + l) * row_bytes, type, K, &q[l * K], &sc[l * G], &zr[l * G]);
       uint8_t* d = cp + ob * (K / 8) * 64;
-      for (int64_t kc = 0; kc < K / 8; ++kc, d += 64)
-        for (int64_t l = 0; l < 16; ++l)
-          for (int64_t i = 0; i < 4; ++i) d[l * 4 + i] = q[l * K + kc * 8 + i] | (q[l * K + kc * 8 + i + 4] << 4);
+      for (int64_t kc = 0; kc < K / 8; ++kc)
+        vnni_chunk(d + kc * 64, [&](int64_t l, int64_t t) { return q[l * K + kc * 8 + t]; });
       c10::BFloat16* s = szp + ob * G * 32;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t l = 0; l < 16; ++l) {
