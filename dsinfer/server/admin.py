@@ -17,25 +17,32 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from dsinfer.registry.store import ModelRegistry, RegistryError
 from dsinfer.registry.swap import load_version, unload_version
+from dsinfer.server import openapi
 from dsinfer.server.errors import APIError
 from dsinfer.server.http_io import bearer_token, keys_match, parse, read_json
 from dsinfer.server.settings import ServerSettings
 
 
 class LoadRequest(BaseModel):
+    model_config = ConfigDict(strict=True)  # as the API's requests (protocol._Request)
+
     path: str
     label: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
 
 
 class WeightsRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     weights: dict[str, float]
 
 
 class PromoteRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     version: str
 
 
@@ -55,6 +62,16 @@ def json_body(schema: type[BaseModel]) -> Any:
 LoadBody = Annotated[LoadRequest, json_body(LoadRequest)]
 WeightsBody = Annotated[WeightsRequest, json_body(WeightsRequest)]
 PromoteBody = Annotated[PromoteRequest, json_body(PromoteRequest)]
+BODIES = [LoadRequest, WeightsRequest, PromoteRequest]  # for /openapi.json
+REGISTRY = (400, 404, 409)  # a registry operation's refusals (RegistryError.status)
+
+
+def _documented(model: type[BaseModel]) -> dict[str, Any]:
+    """A body route's OpenAPI: its body (read by json_body, unseen by FastAPI) and errors."""
+    return {
+        "openapi_extra": openapi.body_of(model),
+        "responses": openapi.errors(*openapi.BODY, *REGISTRY),
+    }
 
 
 def admin_router(
@@ -77,7 +94,9 @@ def admin_router(
             raise APIError(403, why or "this key may not use the admin API", "permission_error")
 
     # Every admin route needs the admin key: checked once, before the body is read.
-    router = APIRouter(prefix="/admin", dependencies=[Depends(authorize)])
+    router = APIRouter(
+        prefix="/admin", dependencies=[Depends(authorize)], responses=openapi.errors(401, 403)
+    )
 
     def registry_call(fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -89,7 +108,7 @@ def admin_router(
     async def _list() -> dict:
         return {"models": registry.describe()}
 
-    @router.post("/models/{name}/versions", status_code=201)
+    @router.post("/models/{name}/versions", status_code=201, **_documented(LoadRequest))
     async def _load(name: str, req: LoadBody) -> dict:
         if build_version is None:
             raise APIError(400, "this server cannot load versions (no engine settings)")
@@ -104,19 +123,19 @@ def admin_router(
     def _w(name: str) -> dict[str, float]:
         return registry.entry(name).weights
 
-    @router.put("/models/{name}/weights")
+    @router.put("/models/{name}/weights", **_documented(WeightsRequest))
     async def _weights(name: str, req: WeightsBody) -> dict:
         return {"weights": registry_call(registry.set_weights, name, req.weights)}
 
-    @router.post("/models/{name}/promote")
+    @router.post("/models/{name}/promote", **_documented(PromoteRequest))
     async def _promote(name: str, req: PromoteBody) -> dict:
         return {"weights": registry_call(registry.promote, name, req.version)}
 
-    @router.post("/models/{name}/rollback")
+    @router.post("/models/{name}/rollback", responses=openapi.errors(*REGISTRY))
     async def _rollback(name: str) -> dict:
         return {"weights": registry_call(registry.rollback, name)}
 
-    @router.delete("/models/{name}/versions/{version}")
+    @router.delete("/models/{name}/versions/{version}", responses=openapi.errors(*REGISTRY))
     async def _unload(name: str, version: str) -> dict:
         try:
             gone = await unload_version(registry, name, version)

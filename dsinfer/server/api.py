@@ -8,14 +8,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsinfer.registry.store import ModelRegistry, RegistryError, Version
 from dsinfer.sampling import check_token_ids
 from dsinfer.server import openapi
-from dsinfer.server.admin import admin_router
+from dsinfer.server.admin import BODIES, admin_router
 from dsinfer.server.chat import chat_completion
 from dsinfer.server.completions import completion
 from dsinfer.server.errors import APIError
@@ -177,21 +177,25 @@ def build_app(
         "/v1/chat/completions",
         dependencies=keyed,
         openapi_extra=openapi.body_of(ChatCompletionRequest),
+        responses=openapi.generation(),
     )
     async def _chat(request: Request) -> Any:
         return await handle(request, ChatCompletionRequest, chat_completion)
 
     @app.post(
-        "/v1/completions", dependencies=keyed, openapi_extra=openapi.body_of(CompletionRequest)
+        "/v1/completions",
+        dependencies=keyed,
+        openapi_extra=openapi.body_of(CompletionRequest),
+        responses=openapi.generation(),
     )
     async def _completions(request: Request) -> Any:
         return await handle(request, CompletionRequest, completion)
 
-    @app.get("/v1/models", dependencies=keyed)
+    @app.get("/v1/models", dependencies=keyed, responses=openapi.errors(401))
     async def _models() -> dict:
         return {"object": "list", "data": model_cards()}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=keyed)
+    @app.get("/v1/models/{model_id:path}", dependencies=keyed, responses=openapi.errors(401, 404))
     async def _model(model_id: str) -> dict:
         for card in model_cards():
             if card["id"] == model_id:
@@ -227,7 +231,7 @@ def build_app(
                 )
         return data
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": openapi.Health}, 503: {"model": openapi.Health}})
     async def _health() -> JSONResponse:
         """200 while every engine serves; 503 while one restarts or after one stopped. Each
         engine's restarts and last fault say what happened."""
@@ -247,11 +251,16 @@ def build_app(
             body["dead"] = dead
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def _metrics() -> Response:
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    @app.post("/tokenize", dependencies=keyed, openapi_extra=openapi.body_of(TokenizeRequest))
+    @app.post(
+        "/tokenize",
+        dependencies=keyed,
+        openapi_extra=openapi.body_of(TokenizeRequest),
+        responses=openapi.errors(*openapi.BODY, 401, *openapi.MODEL),
+    )
     async def _tokenize(request: Request) -> dict:
         body = await body_of(request, TokenizeRequest)
         served = pick(request, body.model)
@@ -267,7 +276,12 @@ def build_app(
             raise APIError(400, "send 'prompt' or 'messages'", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len}
 
-    @app.post("/detokenize", dependencies=keyed, openapi_extra=openapi.body_of(DetokenizeRequest))
+    @app.post(
+        "/detokenize",
+        dependencies=keyed,
+        openapi_extra=openapi.body_of(DetokenizeRequest),
+        responses=openapi.errors(*openapi.BODY, 401, *openapi.MODEL),
+    )
     async def _detokenize(request: Request) -> dict:
         body = await body_of(request, DetokenizeRequest)
         served = pick(request, body.model)
@@ -279,6 +293,8 @@ def build_app(
 
     app.include_router(admin_router(registry, settings, build_version))
     openapi.install(
-        app, [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+        app,
+        [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, *BODIES],
+        api_key=settings.api_key is not None,
     )
     return app

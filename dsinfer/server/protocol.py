@@ -19,7 +19,16 @@ MAX_STOP_CHARS = 1000
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
+    """Every request model: strict types, as OpenAI's API checks them. In pydantic's default
+    (lax) mode `true` is the token id 1, `"yes"` a `stream: true` and 16.0 a max_tokens: a
+    client's mistake would run as something it did not ask for (found by schema fuzzing,
+    tests/server/test_schema_fuzz.py). Integers still pass where a number is asked for."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Request):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
@@ -30,7 +39,7 @@ MAX_CHOICES = 64
 MAX_PREDICTION_PARTS = 64
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(_Request):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = Field(default="response", max_length=64)
@@ -40,7 +49,7 @@ class JSONSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Request):
     """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
 
     model_config = ConfigDict(extra="forbid")
@@ -55,14 +64,14 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class TextPart(BaseModel):
+class TextPart(_Request):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
     text: str
 
 
-class Prediction(BaseModel):
+class Prediction(_Request):
     """OpenAI's predicted output: text the answer is expected to repeat mostly (a file with a
     few edits). Its tokens are drafted and verified (worker/prediction_drafter.py): the answer
     is the same with it or without it, only sooner where it is right."""
@@ -78,7 +87,7 @@ class Prediction(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class StructuredOutputsParams(BaseModel):
+class StructuredOutputsParams(_Request):
     """vLLM's structured_outputs: exactly one of its fields."""
 
     model_config = ConfigDict(extra="forbid")
@@ -90,7 +99,7 @@ class StructuredOutputsParams(BaseModel):
     json_object: bool | None = None
 
 
-class _Common(BaseModel):
+class _Common(_Request):
     # allow_inf_nan=False: Infinity/NaN (which Python's json reads) never reach the sampler.
     # extra="forbid" backs up request_fields.screen_fields, which names what is refused and why.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -269,7 +278,7 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_TOOLS = 128
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(_Request):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=FUNCTION_NAME)
@@ -278,30 +287,31 @@ class FunctionDef(BaseModel):
     strict: bool | None = None
 
 
-class ToolDef(BaseModel):
+class ToolDef(_Request):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
+class FunctionName(_Request):
     model_config = ConfigDict(extra="forbid")
 
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Request):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
     function: FunctionName
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    # A str checked below (its message lists the roles), described as the enum it is.
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})
     content: str | list[dict[str, Any]] | None = None
 
     @field_validator("role")
@@ -437,7 +447,7 @@ class CompletionRequest(_Common):
         return list(p)  # type: ignore[arg-type]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -446,7 +456,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None

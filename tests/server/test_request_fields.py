@@ -236,3 +236,20 @@ def test_openapi_shows_the_real_request_schemas(url):
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
     assert body["schema"]["$ref"] == "#/components/schemas/CompletionRequest"
     assert "ChatMessage" in schemas  # nested models are components too
+
+
+def test_openapi_lists_each_routes_errors_and_key(url):
+    doc = httpx.get(f"{url}/openapi.json").json()
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert {"400", "401", "404", "413", "429", "500", "503"} <= set(chat["responses"])
+    error = chat["responses"]["400"]["content"]["application/json"]["schema"]
+    assert error["$ref"] == "#/components/schemas/ErrorResponse"
+    assert doc["components"]["schemas"]["ErrorResponse"]["required"] == ["error"]
+    # This server answers 400 for any invalid request: FastAPI's 422 is not listed anywhere.
+    assert not [
+        p for p, ops in doc["paths"].items() for op in ops.values() if "422" in op["responses"]
+    ]
+    role = doc["components"]["schemas"]["ChatMessage"]["properties"]["role"]
+    assert role["enum"] == ["system", "user", "assistant", "tool", "developer"]
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "security" not in doc["paths"]["/health"]["get"]
