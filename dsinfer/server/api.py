@@ -29,6 +29,14 @@ from dsinfer.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from dsinfer.server.responses import (
+    ChatCompletion,
+    Completion,
+    Detokenized,
+    ModelCard,
+    ModelList,
+    Tokenized,
+)
 from dsinfer.server.serving import ServedModel, as_api_error
 from dsinfer.server.settings import ServerSettings
 from dsinfer.server.stats_log import StatsLogger
@@ -177,7 +185,7 @@ def build_app(
         "/v1/chat/completions",
         dependencies=keyed,
         openapi_extra=openapi.body_of(ChatCompletionRequest),
-        responses=openapi.generation(),
+        responses=openapi.generation(ChatCompletion),
     )
     async def _chat(request: Request) -> Any:
         return await handle(request, ChatCompletionRequest, chat_completion)
@@ -186,16 +194,20 @@ def build_app(
         "/v1/completions",
         dependencies=keyed,
         openapi_extra=openapi.body_of(CompletionRequest),
-        responses=openapi.generation(),
+        responses=openapi.generation(Completion),
     )
     async def _completions(request: Request) -> Any:
         return await handle(request, CompletionRequest, completion)
 
-    @app.get("/v1/models", dependencies=keyed, responses=openapi.errors(401))
+    @app.get("/v1/models", dependencies=keyed, responses=openapi.answers(ModelList, 401))
     async def _models() -> dict:
         return {"object": "list", "data": model_cards()}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=keyed, responses=openapi.errors(401, 404))
+    @app.get(
+        "/v1/models/{model_id:path}",
+        dependencies=keyed,
+        responses=openapi.answers(ModelCard, 401, 404),
+    )
     async def _model(model_id: str) -> dict:
         for card in model_cards():
             if card["id"] == model_id:
@@ -259,7 +271,7 @@ def build_app(
         "/tokenize",
         dependencies=keyed,
         openapi_extra=openapi.body_of(TokenizeRequest),
-        responses=openapi.errors(*openapi.BODY, 401, *openapi.MODEL),
+        responses=openapi.answers(Tokenized, *openapi.BODY, 401, *openapi.MODEL),
     )
     async def _tokenize(request: Request) -> dict:
         body = await body_of(request, TokenizeRequest)
@@ -280,7 +292,7 @@ def build_app(
         "/detokenize",
         dependencies=keyed,
         openapi_extra=openapi.body_of(DetokenizeRequest),
-        responses=openapi.errors(*openapi.BODY, 401, *openapi.MODEL),
+        responses=openapi.answers(Detokenized, *openapi.BODY, 401, *openapi.MODEL),
     )
     async def _detokenize(request: Request) -> dict:
         body = await body_of(request, DetokenizeRequest)

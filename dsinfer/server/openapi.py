@@ -71,13 +71,21 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": ErrorResponse, "description": _MEANING[c]} for c in sorted(set(codes))}
 
 
-def generation() -> dict[int | str, dict[str, Any]]:
-    """`responses` for a generation route: JSON, or server-sent events with `stream: true`."""
+def answers(model: type[BaseModel], *codes: int) -> dict[int | str, dict[str, Any]]:
+    """`responses` for a route whose 200 body is `model` (described, not enforced: the route
+    returns its dict as it is) and that can answer these error statuses."""
+    return {200: {"model": model}, **errors(*codes)}
+
+
+def generation(answer: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """`responses` for a generation route: `answer` as JSON, or server-sent events with
+    `stream: true`."""
     # No type: a fuzzer reads the schema as each event's, a code generator as the body's.
     events = {"schema": {"description": "events 'data: {chunk}', then 'data: [DONE]'"}}
     streamed = {
+        "model": answer,
         "description": "The completion as JSON; with stream: true, server-sent events.",
-        "content": {"application/json": {"schema": {}}, "text/event-stream": events},
+        "content": {"text/event-stream": events},
     }
     return {200: streamed, **errors(*GENERATE)}
 

@@ -253,3 +253,6 @@ def test_openapi_lists_each_routes_errors_and_key(url):
     assert role["enum"] == ["system", "user", "assistant", "tool", "developer"]
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert "security" not in doc["paths"]["/health"]["get"]
+    answer = chat["responses"]["200"]["content"]
+    assert answer["application/json"]["schema"]["$ref"] == "#/components/schemas/ChatCompletion"
+    assert "text/event-stream" in answer
