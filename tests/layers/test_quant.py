@@ -63,6 +63,19 @@ def test_int4_reproduces_weights_already_on_its_grid():
     assert torch.allclose(weight, w, atol=1e-6)
 
 
+def test_int8_quantisation_in_chunks_is_each_rows_own(monkeypatch) -> None:
+    """quantize_int8 takes rows a cache-sized chunk at a time: chunks that do not divide the
+    rows give what each row's own scale = max|w| / 127 gives."""
+    import dsinfer.layers.quant as quant
+
+    monkeypatch.setattr(quant, "_CODES_CHUNK", 3 * 64)  # 3 rows a chunk, 10 rows
+    w = torch.randn(10, 64, generator=torch.Generator().manual_seed(4))
+    got = quant.quantize_int8(w, torch.float32)
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    assert torch.equal(got["scales"], scales)
+    assert torch.equal(got["qweight"], torch.round(w / scales[:, None]).to(torch.int8))
+
+
 def test_int4_shape_limits():
     assert int4_unsupported_reason(64, 96, 64) is not None
     assert int4_unsupported_reason(40, 64, 32) is not None

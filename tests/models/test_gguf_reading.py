@@ -24,6 +24,22 @@ def test_fast_dequantize_is_bit_exact(qname: str) -> None:
     assert got is not None and torch.equal(got, torch.from_numpy(want.copy()))
 
 
+@pytest.mark.parametrize("qname", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K"])
+def test_fast_dequantize_in_many_chunks_is_the_same(qname: str, monkeypatch) -> None:
+    """Every type is decoded a cache-sized chunk at a time: chunks that do not divide the
+    tensor give the same values as the gguf package's whole-tensor decode."""
+    import dsinfer.models.gguf_file as gguf_file
+    from tests.gguf_writer import quantize
+
+    monkeypatch.setattr(gguf_file, "_VALUES_A_PASS", 768)  # 3 Q4_K/Q6_K blocks, 24 of 32
+    x = np.random.default_rng(2).standard_normal((5, 1024)).astype(np.float32) * 0.05
+    blocks = quantize(x, qname)
+    qtype = gguf.GGMLQuantizationType[qname]
+    want = np.asarray(gguf.quants.dequantize(blocks, qtype), dtype=np.float32).reshape(-1)
+    got = _fast_dequantize(blocks, qname)  # as a tensor's [rows, bytes] map hands it over
+    assert got is not None and torch.equal(got, torch.from_numpy(want.copy()))
+
+
 def test_other_types_take_the_reference_path() -> None:
     assert _fast_dequantize(np.zeros(4, dtype=np.uint8), "Q5_K") is None
 
