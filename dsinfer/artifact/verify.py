@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from dsinfer.progress import progress
 
 logger = logging.getLogger(__name__)
 TRUSTED_KEYS_ENV = "DSINFER_TRUSTED_KEYS"
+_HASH_THREADS = 4  # files hashed at once, at most (and at most the cores)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +71,19 @@ def check_layout(root: Path, manifest: Manifest) -> None:
 
 
 def check_digests(root: Path, manifest: Manifest) -> None:
-    with progress("verifying digests", sum(e.size for e in manifest.files)) as advance:
-        for entry in manifest.files:
-            _check_digest(root, entry)
+    """Every file's sha256 against the manifest's, several files at a time (hashlib and file
+    reads let go of the GIL: DeepSeek-V2-Lite's 9.6 GB artifact took 12.7 s on one core of
+    two); a mismatch is reported for the first such file in the manifest's order."""
+    workers = max(1, min(len(manifest.files), os.cpu_count() or 1, _HASH_THREADS))
+    with (
+        progress("verifying digests", sum(e.size for e in manifest.files)) as advance,
+        ThreadPoolExecutor(workers, thread_name_prefix="dsinfer-digest") as pool,
+    ):
+        for entry in pool.map(lambda e: _check_digest(root, e), manifest.files):
             advance(entry.size)
 
 
-def _check_digest(root: Path, entry) -> None:  # noqa: ANN001 (a manifest FileEntry)
+def _check_digest(root: Path, entry):  # noqa: ANN001, ANN202 (a manifest FileEntry, returned)
     path = root / entry.path
     actual = sha256_regular(path, entry.size)
     if actual != entry.sha256:
@@ -83,6 +91,7 @@ def _check_digest(root: Path, entry) -> None:  # noqa: ANN001 (a manifest FileEn
             f"{path}: sha256 mismatch (expected {entry.sha256}, actual {actual}); "
             "the file was altered"
         )
+    return entry
 
 
 def check_files(root: Path, manifest: Manifest) -> None:

@@ -701,14 +701,23 @@ class Int4ExpertsMethod(ExpertsMethod):
         layout is dropped, not kept beside it."""
         if self.vnni:
             return
+        rows = int4_block_rows()
         for which in ("13", "2"):
             q, sz = getattr(experts, f"q{which}").data, getattr(experts, f"sz{which}").data
-            pack = torch.ops.dsinfer.int4_vnni_pack
-            rows = int4_block_rows()
-            parts = [pack(q[e], self.group_size, sz[e], rows) for e in range(q.shape[0])]
-            for name, i in ((f"q{which}", 0), (f"sz{which}", 1)):
-                stacked = torch.stack([p[i] for p in parts])
-                setattr(experts, name, nn.Parameter(stacked, requires_grad=False))
+            n, out_f, in_f = q.shape[0], q.shape[1], q.shape[2] * 2  # q [E, out, in / 2]
+            # Each expert packed straight into its slice of the stacks: no per-expert results
+            # stacked afterwards (a second copy of every stack, session 37).
+            codes = torch.empty(n, out_f // 16, in_f // 8, 64, dtype=torch.uint8)
+            pairs = torch.empty(
+                n, out_f // 16, in_f // self.group_size, 2, 16, dtype=torch.bfloat16
+            )
+            for e in range(n):
+                torch.ops.dsinfer.int4_vnni_pack_into(
+                    q[e], self.group_size, sz[e], rows, codes[e], pairs[e]
+                )
+            setattr(experts, f"q{which}", nn.Parameter(codes, requires_grad=False))
+            setattr(experts, f"sz{which}", nn.Parameter(pairs, requires_grad=False))
+            del q, sz  # the torch layout goes as each stack is done, not at the end
         self.vnni = True
 
     def matmul(self, experts: nn.Module, x: torch.Tensor, which: str, e: int) -> torch.Tensor:

@@ -2585,8 +2585,12 @@ inline void vnni_chunk(uint8_t* d, Code&& code) {
     for (int64_t i = 0; i < 4; ++i) d[l * 4 + i] = code(l, i) | (code(l, i + 4) << 4);
 }
 
-std::tuple<at::Tensor, at::Tensor> int4_vnni_pack(const at::Tensor& qweight, int64_t group,
-                                                  const at::Tensor& scales_zeros, int64_t block_rows) {
+// int4_vnni_pack into `codes` [O/16, K/8, 64] uint8 and `sz` [O/16, K/32, 2, 16] bf16, both
+// contiguous and already allocated: an expert stack's repack writes each expert into its slice
+// of the stacked tensors (per-expert results stacked afterwards cost a second copy of the
+// stack and twice its memory: 15 of a 60 s DeepSeek-V2-Lite artifact start, session 37).
+void int4_vnni_pack_into(const at::Tensor& qweight, int64_t group, const at::Tensor& scales_zeros,
+                         int64_t block_rows, at::Tensor codes, at::Tensor sz) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
               "int4_vnni_pack: torch's packed uint8 [O, K / 2] expected");
   const int64_t O = qweight.size(0), K = qweight.size(1) * 2;
@@ -2595,7 +2599,12 @@ std::tuple<at::Tensor, at::Tensor> int4_vnni_pack(const at::Tensor& qweight, int
   const int64_t G = K / group;
   TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == G && scales_zeros.size(1) == O,
               "int4_vnni_pack: scales_zeros [K / 32, O, 2]");
-  auto codes = at::empty({O / 16, K / 8, 64}, qweight.options());
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
+                  codes.sizes() == at::IntArrayRef({O / 16, K / 8, 64}),
+              "int4_vnni_pack: codes [O/16, K/8, 64] uint8 expected");
+  TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == at::kBFloat16 &&
+                  sz.sizes() == at::IntArrayRef({O / 16, G, 2, 16}),
+              "int4_vnni_pack: sz [O/16, K/32, 2, 16] bf16 expected");
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   // torch's layout: per block of R outputs (64 on AVX-512 builds, 32 on AVX2) and input k,
@@ -2621,8 +2630,17 @@ std::tuple<at::Tensor, at::Tensor> int4_vnni_pack(const at::Tensor& qweight, int
     }
   });
   // [G, O, 2] → [O/16, G, 2, 16]
-  const at::Tensor sz = scales_zeros.to(at::kBFloat16).view({G, O / 16, 16, 2}).permute({1, 0, 3, 2});
-  return {codes, sz.contiguous()};
+  sz.copy_(scales_zeros.to(at::kBFloat16).view({G, O / 16, 16, 2}).permute({1, 0, 3, 2}));
+}
+
+std::tuple<at::Tensor, at::Tensor> int4_vnni_pack(const at::Tensor& qweight, int64_t group,
+                                                  const at::Tensor& scales_zeros, int64_t block_rows) {
+  TORCH_CHECK(qweight.dim() == 2 && group > 0, "int4_vnni_pack: torch's packed uint8 [O, K / 2] expected");
+  const int64_t O = qweight.size(0), K = qweight.size(1) * 2;
+  auto codes = at::empty({O / 16, K / 8, 64}, qweight.options());
+  auto sz = at::empty({O / 16, K / group, 2, 16}, qweight.options().dtype(at::kBFloat16));
+  int4_vnni_pack_into(qweight, group, scales_zeros, block_rows, codes, sz);
+  return {codes, sz};
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
@@ -4180,6 +4198,7 @@ TORCH_LIBRARY(dsinfer, m) {
   m.def("int8_i16_supported() -> bool");
   m.def("int8_i16_linear(Tensor x, Tensor w, Tensor scales, bool fp32_out=False) -> Tensor");
   m.def("int4_vnni_pack(Tensor qweight, int group, Tensor scales_zeros, int block_rows=64) -> (Tensor, Tensor)");
+  m.def("int4_vnni_pack_into(Tensor qweight, int group, Tensor scales_zeros, int block_rows, Tensor(a!) codes, Tensor(b!) sz) -> ()");
   m.def("int4_vnni_dequantize_t(Tensor codes, Tensor sz) -> Tensor");
   m.def("int4_bf16_linear(Tensor x, Tensor codes, Tensor sz) -> Tensor");
   m.def("int4_i8_linear(Tensor x, Tensor codes, Tensor sz) -> Tensor");
@@ -4251,6 +4270,7 @@ TORCH_LIBRARY_IMPL(dsinfer, CPU, m) {
   m.impl("mla_expand_latent", &mla_expand_latent);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("int4_vnni_pack", &int4_vnni_pack);
+  m.impl("int4_vnni_pack_into", &int4_vnni_pack_into);
   m.impl("int4_vnni_dequantize_t", &int4_vnni_dequantize_t);
   m.impl("int4_bf16_linear", &int4_bf16_linear);
   m.impl("int4_i8_linear", &int4_i8_linear);
