@@ -7,6 +7,7 @@ random Llama behind SmolLM2's real tokenizer) for end-to-end tests, and a script
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -164,3 +165,32 @@ def wait_healthy(url: str, procs: list, seconds: float = 90) -> None:  # noqa: A
             assert p.poll() is None, p.stdout.read()
         assert time.monotonic() < deadline, "server did not come up"
         time.sleep(0.3)
+
+
+def fuzz_settings(examples: int):  # noqa: ANN201 (hypothesis settings)
+    """The fuzzers' hypothesis settings: CI runs the same examples every time (derandomized)
+    unless DSINFER_FUZZ_RANDOM is set; no deadline, no health checks, no example database."""
+    from hypothesis import HealthCheck, settings
+
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=os.environ.get("DSINFER_FUZZ_RANDOM") is None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
+
+
+def assert_still_serving(url: str, served: ServedModel, key: str) -> None:
+    """After fuzzing: a normal request works, the engine is healthy, no KV block is held."""
+    import httpx
+
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    wait_idle(served, timeout=30)

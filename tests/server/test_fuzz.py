@@ -17,12 +17,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.serving import ServedModel
-from tests.server.conftest import running_server, wait_idle
+from tests.server.conftest import assert_still_serving, fuzz_settings, running_server
 
 KEY = "fuzz-key"
 STATUS: Counter[int] = Counter()
@@ -155,28 +155,13 @@ def _send(url: str, path: str, body: object) -> None:
 def _fuzz(fuzz_server, examples: int) -> None:  # noqa: ANN001
     url, served = fuzz_server
 
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        derandomize=os.environ.get("DSINFER_FUZZ_RANDOM") is None,  # CI: the same examples
-        suppress_health_check=list(HealthCheck),
-        database=None,
-    )
+    @fuzz_settings(examples)
     @given(requests)
     def one(req: tuple[str, object]) -> None:
         _send(url, *req)
 
     one()
-    # Afterwards: a normal request works, the engine is healthy, no block is held.
-    r = httpx.post(
-        f"{url}/v1/completions",
-        headers={"Authorization": f"Bearer {KEY}"},
-        json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
-        timeout=60,
-    )
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-    assert httpx.get(f"{url}/health").json()["status"] == "ok"
-    wait_idle(served, timeout=30)
+    assert_still_serving(url, served, KEY)
     print(f"fuzz statuses: {dict(sorted(STATUS.items()))}")
 
 

@@ -15,16 +15,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from dsinfer.server.api import ServerSettings, build_app
 from dsinfer.server.serving import ServedModel
-from tests.server.conftest import running_server, wait_idle
+from tests.server.conftest import assert_still_serving, fuzz_settings, running_server
 
 KEY, ADMIN_KEY = "schema-key", "schema-admin-key"
 EXAMPLES = int(os.environ.get("DSINFER_SCHEMA_EXAMPLES", "25"))  # per operation and mode
@@ -52,13 +51,7 @@ def _failures(url: str, mode: GenerationMode, examples: int) -> list[str]:
     assert len(operations) >= 14, [op.label for op in operations]  # every route is described
     for op in operations:
 
-        @settings(
-            max_examples=examples,
-            deadline=None,
-            derandomize=os.environ.get("DSINFER_FUZZ_RANDOM") is None,  # CI: the same examples
-            suppress_health_check=list(HealthCheck),
-            database=None,
-        )
+        @fuzz_settings(examples)
         @given(case=op.as_strategy(generation_mode=mode))
         def one(case) -> None:  # noqa: ANN001
             case.call_and_validate(
@@ -78,24 +71,12 @@ def _failures(url: str, mode: GenerationMode, examples: int) -> list[str]:
     return failed
 
 
-def _still_serving(url: str, served: ServedModel) -> None:
-    r = httpx.post(
-        f"{url}/v1/completions",
-        headers=_auth("/"),
-        json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
-        timeout=60,
-    )
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-    assert httpx.get(f"{url}/health").json()["status"] == "ok"
-    wait_idle(served, timeout=30)
-
-
 @pytest.mark.parametrize("mode", list(GenerationMode), ids=lambda m: m.value)
 def test_every_route_answers_as_its_description_says(schema_server, mode) -> None:  # noqa: ANN001
     url, served = schema_server
     failed = _failures(url, mode, EXAMPLES)
     assert not failed, "\n\n".join(failed)
-    _still_serving(url, served)
+    assert_still_serving(url, served, KEY)
 
 
 @pytest.mark.slow
@@ -104,4 +85,4 @@ def test_every_route_answers_as_its_description_says_long(schema_server, mode) -
     url, served = schema_server
     failed = _failures(url, mode, int(os.environ.get("DSINFER_SCHEMA_EXAMPLES_LONG", "500")))
     assert not failed, "\n\n".join(failed)
-    _still_serving(url, served)
+    assert_still_serving(url, served, KEY)

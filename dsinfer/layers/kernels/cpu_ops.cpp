@@ -2585,6 +2585,17 @@ inline void vnni_chunk(uint8_t* d, Code&& code) {
     for (int64_t i = 0; i < 4; ++i) d[l * 4 + i] = code(l, i) | (code(l, i + 4) << 4);
 }
 
+// The fused int4 layout's two outputs, allocated by the caller for O rows of K inputs: codes
+// [O/16, K/8, 64] uint8 and scale | zero [O/16, K/32, 2, 16] bf16, both contiguous.
+void check_vnni_outputs(const char* op, const at::Tensor& codes, const at::Tensor& sz, int64_t O, int64_t K) {
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
+                  codes.sizes() == at::IntArrayRef({O / 16, K / 8, 64}),
+              op, ": codes [", O / 16, ", ", K / 8, ", 64] uint8 expected");
+  TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == at::kBFloat16 &&
+                  sz.sizes() == at::IntArrayRef({O / 16, K / 32, 2, 16}),
+              op, ": sz [", O / 16, ", ", K / 32, ", 2, 16] bf16 expected");
+}
+
 // int4_vnni_pack into `codes` [O/16, K/8, 64] uint8 and `sz` [O/16, K/32, 2, 16] bf16, both
 // contiguous and already allocated: an expert stack's repack writes each expert into its slice
 // of the stacked tensors (per-expert results stacked afterwards cost a second copy of the
@@ -2599,12 +2610,7 @@ void int4_vnni_pack_into(const at::Tensor& qweight, int64_t group, const at::Ten
   const int64_t G = K / group;
   TORCH_CHECK(scales_zeros.dim() == 3 && scales_zeros.size(0) == G && scales_zeros.size(1) == O,
               "int4_vnni_pack: scales_zeros [K / 32, O, 2]");
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
-                  codes.sizes() == at::IntArrayRef({O / 16, K / 8, 64}),
-              "int4_vnni_pack: codes [O/16, K/8, 64] uint8 expected");
-  TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == at::kBFloat16 &&
-                  sz.sizes() == at::IntArrayRef({O / 16, G, 2, 16}),
-              "int4_vnni_pack: sz [O/16, K/32, 2, 16] bf16 expected");
+  check_vnni_outputs("int4_vnni_pack", codes, sz, O, K);
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   // torch's layout: per block of R outputs (64 on AVX-512 builds, 32 on AVX2) and input k,
@@ -3677,12 +3683,7 @@ void gguf_int4_vnni_into(const at::Tensor& raw, int64_t type, int64_t rows, int6
   const int64_t row_bytes = gguf_row_bytes("gguf_int4_vnni_into", type, K), G = K / 32;
   TORCH_CHECK(rows % 16 == 0 && raw.numel() == rows * row_bytes, "gguf_int4_vnni_into: ", raw.numel(),
               " bytes for ", rows, " rows (a multiple of 16) of ", row_bytes);
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte &&
-                  codes.sizes() == at::IntArrayRef({rows / 16, K / 8, 64}),
-              "gguf_int4_vnni_into: codes [rows/16, K/8, 64] uint8 expected");
-  TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == at::kBFloat16 &&
-                  sz.sizes() == at::IntArrayRef({rows / 16, G, 2, 16}),
-              "gguf_int4_vnni_into: sz [rows/16, K/32, 2, 16] bf16 expected");
+  check_vnni_outputs("gguf_int4_vnni_into", codes, sz, rows, K);
   const uint8_t* rp = raw.data_ptr<uint8_t>();
   uint8_t* cp = codes.data_ptr<uint8_t>();
   c10::BFloat16* szp = sz.data_ptr<c10::BFloat16>();
