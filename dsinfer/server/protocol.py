@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from dsinfer.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from dsinfer.server.request_fields import screen_fields
@@ -19,11 +26,25 @@ MAX_STOP_CHARS = 1000
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
+def _whole(v: Any) -> Any:
+    """JSON's 16.0 is the integer 16 (so JSON Schema reads it, and so this server's
+    /openapi.json describes it); `true` and 16.5 are not integers and stay refused."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def integer(**bounds: int) -> Any:
+    """A request's integer field with its bounds (ge, le): strict (no bools, no numeric strings)
+    but whole floats taken. The bounds go inside, before the validator, so that /openapi.json
+    shows them as minimum and maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
+
+
 class _Request(BaseModel):
     """Every request model: strict types, as OpenAI's API checks them. In pydantic's default
-    (lax) mode `true` is the token id 1, `"yes"` a `stream: true` and 16.0 a max_tokens: a
+    (lax) mode `true` is the token id 1, `"yes"` a `stream: true` and `"16"` a max_tokens: a
     client's mistake would run as something it did not ask for (found by schema fuzzing,
-    tests/server/test_schema_fuzz.py). Integers still pass where a number is asked for."""
+    tests/server/test_schema_fuzz.py). Integers still pass where a number is asked for, and
+    whole numbers such as 16.0 where an integer is (`integer`)."""
 
     model_config = ConfigDict(strict=True)
 
@@ -106,13 +127,13 @@ class _Common(_Request):
     CHAT: ClassVar[bool] = False
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: integer(ge=0) | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
+    top_k: integer(ge=-1) = -1
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    n: integer(ge=1, le=MAX_N) = 1
+    seed: integer(ge=SEED_MIN, le=SEED_MAX) | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -120,11 +141,11 @@ class _Common(_Request):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: integer(ge=0) = 0
     user: str | None = Field(default=None, max_length=512)
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    best_of: integer(ge=1, le=MAX_N) | None = None
     logit_bias: dict[str, float] | None = None
-    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    stop_token_ids: list[integer()] | None = Field(default=None, max_length=64)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Structured outputs (constrained decoding): OpenAI's response_format, vLLM's
@@ -137,7 +158,7 @@ class _Common(_Request):
     guided_grammar: str | None = None
     guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
     prediction: Prediction | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    truncate_prompt_tokens: integer(ge=1) | None = None
 
     @classmethod
     def screen(cls, data: dict[str, Any], lenient: bool) -> dict[str, Any]:
@@ -352,9 +373,9 @@ class ChatCompletionRequest(_Common):
     CHAT: ClassVar[bool] = True
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: integer(ge=0) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: integer(ge=0, le=20) | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -417,10 +438,10 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
+    prompt: str | list[str] | list[integer()] | list[list[integer()]]
+    max_tokens: integer(ge=0) | None = 16
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: integer(ge=0, le=20) | None = None
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -460,4 +481,4 @@ class DetokenizeRequest(_Request):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[integer()]

@@ -221,18 +221,22 @@ def test_a_simultaneous_burst_respects_the_queue_limit(scripted):
 
 
 def test_a_value_of_another_json_type_is_a_400_not_coerced(scripted_url, scripted):
-    """pydantic's lax mode ran `[true]` as the token id 1, `"yes"` as stream: true and 16.0 as
-    max_tokens: 16 (found by tests/server/test_schema_fuzz.py)."""
+    """pydantic's lax mode ran `[true]` as the token id 1, `"yes"` as stream: true and `"16"`
+    as max_tokens: 16 (found by tests/server/test_schema_fuzz.py)."""
     for path, body, param in (
         ("/v1/completions", {"prompt": [True, False]}, "prompt"),
-        ("/v1/completions", {"prompt": "a", "max_tokens": 16.0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": "16"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 16.5}, "max_tokens"),
         ("/v1/completions", {"prompt": "a", "stream": "yes"}, "stream"),
         ("/v1/chat/completions", {"messages": CHAT, "n": True}, "n"),
         ("/v1/chat/completions", {"messages": CHAT, "temperature": "0.5"}, "temperature"),
         ("/detokenize", {"tokens": [True]}, "tokens"),
     ):
         assert _assert_4xx(_post(scripted_url, path, body), 400)["param"] == param, body
-    # An integer is still a number where one is asked for, as in OpenAI's API.
+    # An integer is still a number where one is asked for, as in OpenAI's API, and a whole
+    # number an integer (JSON Schema's reading of 1.0, which /openapi.json promises).
     r = _post(scripted_url, "/v1/completions", {"prompt": "a", "max_tokens": 1, "temperature": 1})
     assert r.status_code == 200, r.text
+    r = _post(scripted_url, "/v1/completions", {"prompt": [1.0, 2.0], "max_tokens": 1.0})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2, r.text
     wait_idle(scripted)
