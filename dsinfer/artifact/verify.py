@@ -79,11 +79,12 @@ def check_digests(root: Path, manifest: Manifest) -> None:
         progress("verifying digests", sum(e.size for e in manifest.files)) as advance,
         ThreadPoolExecutor(workers, thread_name_prefix="dsinfer-digest") as pool,
     ):
-        for entry in pool.map(lambda e: _check_digest(root, e), manifest.files):
+        checked = pool.map(lambda e: _check_digest(root, e), manifest.files)
+        for entry, _ in zip(manifest.files, checked, strict=True):
             advance(entry.size)
 
 
-def _check_digest(root: Path, entry):  # noqa: ANN001, ANN202 (a manifest FileEntry, returned)
+def _check_digest(root: Path, entry) -> None:  # noqa: ANN001 (a manifest FileEntry)
     path = root / entry.path
     actual = sha256_regular(path, entry.size)
     if actual != entry.sha256:
@@ -91,7 +92,6 @@ def _check_digest(root: Path, entry):  # noqa: ANN001, ANN202 (a manifest FileEn
             f"{path}: sha256 mismatch (expected {entry.sha256}, actual {actual}); "
             "the file was altered"
         )
-    return entry
 
 
 def check_files(root: Path, manifest: Manifest) -> None:

@@ -552,6 +552,17 @@ def quantize_int4(
     return {"qweight": packed.to(weight.device), "scales_zeros": int4_pairs(scale, zero, dtype)}
 
 
+def fused_int4_stacks(
+    n: int, out_f: int, in_f: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty stacks of n experts' [out_f, in_f] weights in the fused int4 kernels' layout (the
+    repack's, int4_vnni_pack's): codes [n, out/16, in/8, 64] uint8 and scale | zero
+    [n, out/16, in/group, 2, 16] bf16."""
+    codes = torch.empty(n, out_f // 16, in_f // 8, 64, dtype=torch.uint8)
+    pairs = torch.empty(n, out_f // 16, in_f // group_size, 2, 16, dtype=torch.bfloat16)
+    return codes, pairs
+
+
 def int4_pairs(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """scale and zero [..., out, G] → the stored scale | zero pairs [..., G, out, 2] in `dtype`
     (an int4 Linear's `scales_zeros`; an expert stack's `sz`, one such per expert)."""
@@ -707,10 +718,7 @@ class Int4ExpertsMethod(ExpertsMethod):
             n, out_f, in_f = q.shape[0], q.shape[1], q.shape[2] * 2  # q [E, out, in / 2]
             # Each expert packed straight into its slice of the stacks: no per-expert results
             # stacked afterwards (a second copy of every stack, session 37).
-            codes = torch.empty(n, out_f // 16, in_f // 8, 64, dtype=torch.uint8)
-            pairs = torch.empty(
-                n, out_f // 16, in_f // self.group_size, 2, 16, dtype=torch.bfloat16
-            )
+            codes, pairs = fused_int4_stacks(n, out_f, in_f, self.group_size)
             for e in range(n):
                 torch.ops.dsinfer.int4_vnni_pack_into(
                     q[e], self.group_size, sz[e], rows, codes[e], pairs[e]

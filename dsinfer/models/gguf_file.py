@@ -260,9 +260,9 @@ def _chunked_values(data: np.ndarray, qname: str) -> torch.Tensor:
     out = torch.empty(blocks, per)
     step = _VALUES_A_PASS // per
     for start in range(0, blocks, step):
-        values = out[start : start + step]
+        values, chunk = out[start : start + step], data[start * nbytes : (start + step) * nbytes]
         if qname in EXACT_INT4:  # Q4_0 x = d·(q − 8); Q4_1 and Q4_K x = d·q + m
-            q, d, m = q4_codes(data[start * nbytes : (start + step) * nbytes], qname)
+            q, d, m = q4_codes(chunk, qname)
             groups = values.view(-1, 32)
             if m is None:
                 groups.copy_(q).sub_(8).mul_(d)  # (not torch.sub on uint8: it wraps)
@@ -270,7 +270,7 @@ def _chunked_values(data: np.ndarray, qname: str) -> torch.Tensor:
                 torch.mul(q, d, out=groups)
                 groups.add_(m)
             continue
-        raw = file_bytes(data[start * nbytes : (start + step) * nbytes]).view(-1, nbytes)
+        raw = file_bytes(chunk).view(-1, nbytes)
         if qname == "Q6_K":
             _q6_k_values(raw, values)
             continue

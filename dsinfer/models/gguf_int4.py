@@ -34,6 +34,7 @@ from dsinfer.layers.linear import Linear, fused_target
 from dsinfer.layers.moe import RoutedExperts
 from dsinfer.layers.quant import (
     experts_method,
+    fused_int4_stacks,
     int4_codes,
     int4_pairs,
     quant_method,
@@ -215,8 +216,7 @@ def _write_fused_layout(experts: RoutedExperts, which: str, stacks: list[GGUFTen
     the blocks: q [E, out/16, in/8, 64], sz [E, out/16, in/32, 2, 16] bf16."""
     n = experts.num_experts
     out_f, in_f = _stack_dims(stacks)
-    q = torch.empty(n, out_f // 16, in_f // 8, 64, dtype=torch.uint8)
-    sz = torch.empty(n, out_f // 16, in_f // GROUP, 2, 16, dtype=torch.bfloat16)
+    q, sz = fused_int4_stacks(n, out_f, in_f, GROUP)
     lo = 0  # the stack's first block of 16 rows in `out`
     for t in stacks:
         raw = t.data.reshape(-1)

@@ -17,32 +17,27 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from dsinfer.registry.store import ModelRegistry, RegistryError
 from dsinfer.registry.swap import load_version, unload_version
 from dsinfer.server import openapi
 from dsinfer.server.errors import APIError
 from dsinfer.server.http_io import bearer_token, keys_match, parse, read_json
+from dsinfer.server.protocol import RequestModel
 from dsinfer.server.settings import ServerSettings
 
 
-class LoadRequest(BaseModel):
-    model_config = ConfigDict(strict=True)  # as the API's requests (protocol._Request)
-
+class LoadRequest(RequestModel):
     path: str
     label: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
 
 
-class WeightsRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
-
+class WeightsRequest(RequestModel):
     weights: dict[str, float]
 
 
-class PromoteRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
-
+class PromoteRequest(RequestModel):
     version: str
 
 

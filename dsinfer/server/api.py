@@ -33,6 +33,7 @@ from dsinfer.server.responses import (
     ChatCompletion,
     Completion,
     Detokenized,
+    Health,
     ModelCard,
     ModelList,
     Tokenized,
@@ -243,7 +244,7 @@ def build_app(
                 )
         return data
 
-    @app.get("/health", responses={200: {"model": openapi.Health}, 503: {"model": openapi.Health}})
+    @app.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
     async def _health() -> JSONResponse:
         """200 while every engine serves; 503 while one restarts or after one stopped. Each
         engine's restarts and last fault say what happened."""

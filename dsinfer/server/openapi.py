@@ -10,7 +10,7 @@ the server (tests/server/test_schema_fuzz.py).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -32,20 +32,6 @@ class ErrorResponse(BaseModel):
     """Every error answer's body, as OpenAI's API writes it."""
 
     error: ErrorDetail
-
-
-class EngineHealth(BaseModel):
-    state: Literal["ok", "restarting", "dead"]
-    restarts: int
-    last_fault: str | None
-
-
-class Health(BaseModel):
-    """/health: 200 while every engine serves, 503 while one restarts or after one stopped."""
-
-    status: Literal["ok", "restarting", "error"]
-    engines: dict[str, EngineHealth]
-    dead: list[str] | None = None
 
 
 _MEANING = {

@@ -39,7 +39,7 @@ def integer(**bounds: int) -> Any:
     return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
     """Every request model: strict types, as OpenAI's API checks them. In pydantic's default
     (lax) mode `true` is the token id 1, `"yes"` a `stream: true` and `"16"` a max_tokens: a
     client's mistake would run as something it did not ask for (found by schema fuzzing,
@@ -49,7 +49,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True)
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
@@ -60,7 +60,7 @@ MAX_CHOICES = 64
 MAX_PREDICTION_PARTS = 64
 
 
-class JSONSchemaFormat(_Request):
+class JSONSchemaFormat(RequestModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = Field(default="response", max_length=64)
@@ -70,7 +70,7 @@ class JSONSchemaFormat(_Request):
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
 
     model_config = ConfigDict(extra="forbid")
@@ -85,14 +85,14 @@ class ResponseFormat(_Request):
         return self
 
 
-class TextPart(_Request):
+class TextPart(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
     text: str
 
 
-class Prediction(_Request):
+class Prediction(RequestModel):
     """OpenAI's predicted output: text the answer is expected to repeat mostly (a file with a
     few edits). Its tokens are drafted and verified (worker/prediction_drafter.py): the answer
     is the same with it or without it, only sooner where it is right."""
@@ -108,7 +108,7 @@ class Prediction(_Request):
         return "".join(part.text for part in self.content)
 
 
-class StructuredOutputsParams(_Request):
+class StructuredOutputsParams(RequestModel):
     """vLLM's structured_outputs: exactly one of its fields."""
 
     model_config = ConfigDict(extra="forbid")
@@ -120,7 +120,7 @@ class StructuredOutputsParams(_Request):
     json_object: bool | None = None
 
 
-class _Common(_Request):
+class _Common(RequestModel):
     # allow_inf_nan=False: Infinity/NaN (which Python's json reads) never reach the sampler.
     # extra="forbid" backs up request_fields.screen_fields, which names what is refused and why.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -299,7 +299,7 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_TOOLS = 128
 
 
-class FunctionDef(_Request):
+class FunctionDef(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=FUNCTION_NAME)
@@ -308,27 +308,27 @@ class FunctionDef(_Request):
     strict: bool | None = None
 
 
-class ToolDef(_Request):
+class ToolDef(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(_Request):
+class FunctionName(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
     function: FunctionName
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")
 
     # A str checked below (its message lists the roles), described as the enum it is.
@@ -468,7 +468,7 @@ class CompletionRequest(_Common):
         return list(p)  # type: ignore[arg-type]
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -477,7 +477,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None

@@ -1,4 +1,5 @@
-"""The shapes of the server's 200 answers, for /openapi.json only: the routes build their
+"""The shapes of the server's answers other than errors (openapi.ErrorResponse), for
+/openapi.json only: the routes build their
 bodies as dicts (server/chat.py, completions.py, serving.py, api.py) and these models describe
 them, field for field (extra="forbid": a field the description lacks is a fuzzing failure,
 tests/server/test_schema_fuzz.py). Streams are not described here: their chunks are events."""
@@ -126,3 +127,17 @@ class Tokenized(_Shape):
 
 class Detokenized(_Shape):
     prompt: str
+
+
+class EngineHealth(_Shape):
+    state: Literal["ok", "restarting", "dead"]  # AsyncEngine.state
+    restarts: int
+    last_fault: str | None
+
+
+class Health(_Shape):
+    """/health: 200 while every engine serves, 503 while one restarts or after one stopped."""
+
+    status: Literal["ok", "restarting", "error"]
+    engines: dict[str, EngineHealth]
+    dead: list[str] | None = None
